@@ -1,0 +1,129 @@
+"""Engine.classify(texts): the one hot loop. No logging, HTTP or Ray in here.
+
+Per batch: right-padded item ids run after an expanded copy of the prefix cache (positions
+continue after the prefix), the hidden state at each item's last real token is scored against
+the label tokens' head rows, and each multi-token label's continuation is scored in one extra
+batched step over a non-mutating copy of the batch's cache.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from slimroute.batching import PaddingStats, pad_right, plan_batches
+from slimroute.config import EngineConfig
+from slimroute.labels import Prediction, make_prediction
+from slimroute.prefix_cache import PrefixCache, continue_cache
+from slimroute.scoring import LabelScorer
+from slimroute.task import Prompt, Task
+
+
+@dataclass
+class EngineStats:
+    num_items: int = 0
+    num_batches: int = 0
+    num_truncated: int = 0
+    seconds: float = 0.0
+    padding: PaddingStats = field(default_factory=PaddingStats)
+
+    def merge(self, other: EngineStats) -> None:
+        self.num_items += other.num_items
+        self.num_batches += other.num_batches
+        self.num_truncated += other.num_truncated
+        self.seconds += other.seconds
+        self.padding.merge(other.padding)
+
+
+class Engine:
+    def __init__(self, model, tokenizer, task: Task, config: EngineConfig | None = None, max_positions=None):
+        self.model, self.tokenizer, self.task = model, tokenizer, task
+        self.config = config or EngineConfig()
+        self.max_positions = max_positions or int(getattr(model.config, "max_position_embeddings", 32768))
+        self.prompt = Prompt(task, tokenizer, self.max_positions)
+        self.label_ids = self.prompt.label_ids
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.device = next(model.parameters()).device
+        tokens = [tok for ids in self.label_ids for tok in ids]
+        self.scorer = LabelScorer(model.get_output_embeddings(), tokens)
+        self.prefix = PrefixCache(model, self.prompt.prefix_ids) if self.config.prefix_cache else None
+        self.stats = EngineStats()  # totals over the engine's life
+
+    @classmethod
+    def from_loaded(cls, loaded, task: Task, config: EngineConfig | None = None) -> Engine:
+        return cls(loaded.model, loaded.tokenizer, task, config, loaded.max_positions)
+
+    def encode(self, texts: list[str]) -> tuple[list[list[int]], list[bool]]:
+        fitted = [self.prompt.fit_text(t) for t in texts]
+        item_ids = self.prompt.item_ids_batch([text for text, _ in fitted])
+        if not self.config.prefix_cache:
+            item_ids = [self.prompt.prefix_ids + ids for ids in item_ids]
+        return item_ids, [truncated for _, truncated in fitted]
+
+    @torch.inference_mode()
+    def classify(self, texts: list[str]) -> list[Prediction]:
+        """Predictions in input order. Texts must be non-empty strings (see jobs.classify_rows)."""
+        start = time.perf_counter()
+        run = EngineStats(num_items=len(texts))
+        item_ids, truncated = self.encode(texts)
+        results: list[Prediction | None] = [None] * len(texts)
+        lengths = [len(ids) for ids in item_ids]
+        cfg = self.config
+        for batch in plan_batches(lengths, cfg.batch_size, cfg.max_batch_tokens, cfg.sort):
+            token_logprobs = self._score_batch([item_ids[i] for i in batch])
+            run.padding.add([lengths[i] for i in batch])
+            run.num_batches += 1
+            for i, lps in zip(batch, token_logprobs, strict=True):
+                results[i] = make_prediction(
+                    self.task.labels, self.label_ids, lps, cfg.decision, self._prompt_len(lengths[i]), truncated[i]
+                )
+        run.num_truncated = sum(truncated)
+        run.seconds = time.perf_counter() - start
+        self.last_stats = run
+        self.stats.merge(run)
+        return results
+
+    def _prompt_len(self, item_len: int) -> int:
+        return item_len + (self.prefix.length if self.prefix else 0)
+
+    def _score_batch(self, seqs: list[list[int]]) -> list[list[list[float]]]:
+        """token_logprobs[row][label][k] for one batch."""
+        input_ids, item_mask, lengths = pad_right(seqs, self.pad_id)  # (B, L), (B, L), (B,)
+        input_ids, item_mask, lengths = input_ids.to(self.device), item_mask.to(self.device), lengths.to(self.device)
+        batch, width = input_ids.shape
+        offset = self.prefix.length if self.prefix else 0
+        cache = self.prefix.expand(batch) if self.prefix else DynamicCache(config=self.model.config)
+        prefix_mask = torch.ones(batch, offset, dtype=item_mask.dtype, device=self.device)
+        mask = torch.cat([prefix_mask, item_mask], dim=1)  # (B, P + L)
+        positions = offset + torch.arange(width, device=self.device).expand(batch, -1)  # (B, L)
+        out = self.model.base_model(
+            input_ids=input_ids, attention_mask=mask, position_ids=positions,
+            cache=cache, use_cache=True,
+        )
+        last = out.last_hidden_state[torch.arange(batch, device=self.device), lengths - 1]  # (B, H)
+        first = self.scorer.logprobs(last)  # (B, K)
+        col = self.scorer.column
+        scores = [[[float(first[row, col[ids[0]]])] for ids in self.label_ids] for row in range(batch)]
+        for j, ids in enumerate(self.label_ids):
+            if len(ids) > 1:
+                cont = self._continuation(cache, mask, lengths + offset, ids)  # (B, n-1, K)
+                for row in range(batch):
+                    scores[row][j].extend(float(cont[row, k, col[tok]]) for k, tok in enumerate(ids[1:]))
+        return scores
+
+    def _continuation(self, cache, mask, ends, ids: tuple[int, ...]) -> torch.Tensor:
+        """Log-probs after feeding ids[:-1] behind each item; the batch cache is left unchanged."""
+        batch = mask.shape[0]
+        steps = len(ids) - 1
+        tokens = torch.tensor(ids[:-1], device=self.device).expand(batch, -1)  # (B, n-1)
+        positions = ends[:, None] + torch.arange(steps, device=self.device)  # (B, n-1)
+        mask = torch.cat([mask, torch.ones(batch, steps, dtype=mask.dtype, device=self.device)], dim=1)
+        out = self.model.base_model(
+            input_ids=tokens, attention_mask=mask, position_ids=positions,
+            cache=continue_cache(cache, self.model.config), use_cache=True,
+        )
+        hidden = out.last_hidden_state  # (B, n-1, H)
+        return self.scorer.logprobs(hidden.reshape(batch * steps, -1)).reshape(batch, steps, -1)

@@ -1,0 +1,177 @@
+"""The task (labels, instructions, few-shot examples) and how it becomes token ids.
+
+`Task.messages(text)` is the one definition of the conversation; both the reference and the
+fast path render it through the model's own chat template. `Prompt` splits the rendered
+conversation right after the last special token before the item text, so that
+`prefix_ids + item_ids(text)` equals tokenising the whole prompt at once.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from slimroute.labels import label_token_ids
+
+DEFAULT_INSTRUCTIONS = "Classify the support ticket into one category."
+_SENTINEL = "\u2063SLIMROUTE_ITEM\u2063"
+
+
+@dataclass(frozen=True)
+class Example:
+    text: str
+    label: str
+
+
+@dataclass(frozen=True)
+class Task:
+    labels: tuple[str, ...]
+    instructions: str = DEFAULT_INSTRUCTIONS
+    examples: tuple[Example, ...] = ()
+    name: str = "default"
+
+    def __post_init__(self):
+        labels = tuple(self.labels)
+        object.__setattr__(self, "labels", labels)
+        object.__setattr__(self, "examples", tuple(self.examples))
+        if not labels:
+            raise ValueError("labels: the label list is empty; give at least two labels, e.g. --labels a,b")
+        for label in labels:
+            if not isinstance(label, str) or not label.strip():
+                raise ValueError(f"labels: every label must be a non-empty string, got {label!r}")
+            if label != label.strip():
+                raise ValueError(f"labels: label {label!r} has leading or trailing whitespace")
+        seen = set()
+        for label in labels:
+            if label in seen:
+                raise ValueError(f"labels: label {label!r} is given twice")
+            seen.add(label)
+        for ex in self.examples:
+            if ex.label not in seen:
+                raise ValueError(f"examples: example label {ex.label!r} is not one of the labels {list(labels)}")
+
+    @classmethod
+    def from_labels(cls, labels: str | list[str], instructions: str | None = None, **kw) -> Task:
+        if isinstance(labels, str):
+            labels = [part.strip() for part in labels.split(",")] if labels.strip() else []
+        return cls(tuple(labels), instructions or DEFAULT_INSTRUCTIONS, **kw)
+
+    @classmethod
+    def from_dict(cls, data: dict, name: str = "default") -> Task:
+        if not isinstance(data, dict):
+            raise ValueError(f"task: expected a mapping with 'labels', got {type(data).__name__}")
+        unknown = set(data) - {"labels", "instructions", "examples", "name"}
+        if unknown:
+            raise ValueError(f"task: unknown field(s) {sorted(unknown)}; allowed: labels, instructions, examples")
+        if "labels" not in data:
+            raise ValueError("task: field 'labels' is missing")
+        examples = []
+        for i, ex in enumerate(data.get("examples") or []):
+            if not isinstance(ex, dict) or "text" not in ex or "label" not in ex:
+                raise ValueError(f"task.examples[{i}]: each example needs 'text' and 'label'")
+            examples.append(Example(str(ex["text"]), str(ex["label"])))
+        labels = data["labels"]
+        if not isinstance(labels, list):
+            raise ValueError("task.labels: expected a list of strings")
+        return cls(
+            tuple(labels),
+            data.get("instructions") or DEFAULT_INSTRUCTIONS,
+            tuple(examples),
+            str(data.get("name", name)),
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Task:
+        return cls.from_dict(load_task_file(path), Path(path).stem)
+
+    def system_prompt(self) -> str:
+        choices = ", ".join(self.labels)
+        return f"{self.instructions}\nAnswer with exactly one of: {choices}."
+
+    def messages(self, text: str) -> list[dict]:
+        msgs = [{"role": "system", "content": self.system_prompt()}]
+        for ex in self.examples:
+            msgs.append({"role": "user", "content": ex.text.strip()})
+            msgs.append({"role": "assistant", "content": ex.label})
+        msgs.append({"role": "user", "content": text.strip()})
+        return msgs
+
+
+def load_task_file(path: str | Path) -> dict:
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"task file {str(path)!r} does not exist")
+    raw = path.read_text(encoding="utf-8")
+    return json.loads(raw) if path.suffix == ".json" else yaml.safe_load(raw)
+
+
+def render_prompt(tokenizer, task: Task, text: str) -> str:
+    """The whole prompt string, up to and including the start of the assistant turn."""
+    return tokenizer.apply_chat_template(task.messages(text), tokenize=False, add_generation_prompt=True)
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@dataclass
+class Prompt:
+    """Token ids of a task: the shared prefix, each item's part, and each label's tokens."""
+
+    task: Task
+    tokenizer: object
+    max_positions: int = 32768
+    prefix_ids: list[int] = field(init=False)
+    label_ids: list[tuple[int, ...]] = field(init=False)
+
+    def __post_init__(self):
+        rendered = render_prompt(self.tokenizer, self.task, _SENTINEL)
+        if rendered.count(_SENTINEL) != 1:
+            raise ValueError("the chat template does not place the user text exactly once")
+        before, self._suffix = rendered.split(_SENTINEL)
+        split = _last_special_end(self.tokenizer, before)
+        self._prefix_text, self._head = before[:split], before[split:]
+        self.prefix_ids = encode(self.tokenizer, self._prefix_text)
+        self.label_ids = [label_token_ids(self.tokenizer, self._suffix, label) for label in self.task.labels]
+        self._suffix_ids = encode(self.tokenizer, self._suffix)
+        self._head_ids = encode(self.tokenizer, self._head)
+        longest_label = max(len(ids) for ids in self.label_ids)
+        self.max_text_tokens = (
+            self.max_positions - len(self.prefix_ids) - len(self._head_ids) - len(self._suffix_ids) - longest_label
+        )
+        if self.max_text_tokens < 1:
+            raise ValueError(
+                f"the task's prompt ({len(self.prefix_ids)} tokens) leaves no room for the text in the "
+                f"model's context of {self.max_positions} tokens; shorten the instructions or examples"
+            )
+
+    def fit_text(self, text: str) -> tuple[str, bool]:
+        """Keep the text's first tokens so the whole prompt fits the context; (text, truncated)."""
+        text = text.strip()
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        if len(enc["input_ids"]) <= self.max_text_tokens:
+            return text, False
+        end = enc["offset_mapping"][self.max_text_tokens - 1][1]
+        return text[:end], True
+
+    def item_ids(self, text: str) -> list[int]:
+        """Ids of everything after the prefix: rest of the user turn, text, assistant-turn start."""
+        return encode(self.tokenizer, self._head + text.strip() + self._suffix)
+
+    def item_ids_batch(self, texts: list[str]) -> list[list[int]]:
+        strings = [self._head + t.strip() + self._suffix for t in texts]
+        return self.tokenizer(strings, add_special_tokens=False)["input_ids"] if strings else []
+
+
+def _last_special_end(tokenizer, text: str) -> int:
+    """Character index just after the last special token in `text` (0 when there is none)."""
+    best = 0
+    for token in getattr(tokenizer, "all_special_tokens", []) + list(
+        getattr(tokenizer, "added_tokens_encoder", {}) or {}
+    ):
+        if token and (pos := text.rfind(token)) >= 0:
+            best = max(best, pos + len(token))
+    return best
