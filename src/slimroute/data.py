@@ -8,6 +8,7 @@ format, no text column) raise `InputError`, whose message says what to do.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import random
@@ -551,7 +552,7 @@ def output_record(row: Row, pred: Prediction, labels: list[str]) -> dict:
     return record
 
 
-def _output_schema(labels: list[str]) -> pa.Schema:
+def output_schema(labels: list[str]) -> pa.Schema:
     fields = [pa.field("id", pa.string()), pa.field("label", pa.string())]
     fields += [pa.field(f"p_{label}", pa.float64()) for label in labels]
     return pa.schema(fields + [pa.field("truncated", pa.bool_()), pa.field("error", pa.string())])
@@ -565,6 +566,19 @@ def _csv_cell(value) -> object:
     return value
 
 
+def encode_records(fmt: str, records: list[dict], header: list[str] | None = None) -> str:
+    """JSONL or CSV text of output records, exactly as PredictionWriter writes them (CSV: header first
+    when given). Deterministic: floats are written as their shortest repr."""
+    if fmt == "csv":
+        buf = io.StringIO()
+        writer = csv.writer(buf)  # \r\n line ends: then a lone \r in a value is quoted
+        if header is not None:
+            writer.writerow(header)
+        writer.writerows([_csv_cell(v) for v in rec.values()] for rec in records)
+        return buf.getvalue()
+    return "".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records)
+
+
 class PredictionWriter:
     """Append batches of predictions to a .csv / .jsonl / .parquet file (format by extension)."""
 
@@ -574,15 +588,14 @@ class PredictionWriter:
         if not self.labels or len(set(self.labels)) != len(self.labels):
             raise ValueError(f"labels must be a non-empty list of distinct labels, got {self.labels!r}")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self._csv = self._parquet = None
-        self._schema = _output_schema(self.labels)
+        self._file = self._parquet = None
+        self._schema = output_schema(self.labels)
         if self.format == "parquet":
             self._parquet = pq.ParquetWriter(self.path, self._schema)
         else:
             self._file = self.path.open("w", encoding="utf-8", newline="")
             if self.format == "csv":
-                self._csv = csv.writer(self._file)  # \r\n line ends: then a lone \r in a value is quoted
-                self._csv.writerow(output_columns(self.labels))
+                self._file.write(encode_records("csv", [], output_columns(self.labels)))
 
     def write(self, rows: list[Row], preds: list[Prediction]) -> None:
         """Append one batch, in the given order (one Parquet row group per call)."""
@@ -596,10 +609,8 @@ class PredictionWriter:
         if self._parquet is not None:
             table = pa.Table.from_pylist(records, schema=self._schema)
             self._parquet.write_table(table, row_group_size=len(records))
-        elif self._csv is not None:
-            self._csv.writerows([_csv_cell(v) for v in rec.values()] for rec in records)
         else:
-            self._file.write("".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records))
+            self._file.write(encode_records(self.format, records))
 
     def close(self) -> None:
         if self._parquet is not None:
@@ -608,7 +619,7 @@ class PredictionWriter:
         if self._file is not None:
             self._file.flush()
             self._file.close()
-            self._file, self._csv = None, None
+            self._file = None
 
     def __enter__(self) -> PredictionWriter:
         return self
