@@ -14,7 +14,6 @@ class EngineConfig:
     prefix_cache: bool = True  # compute the shared prompt prefix once and reuse its keys/values
     sort: bool = True  # sort items by token length before batching
     decision: str = "greedy"  # "greedy" or "max-prob" (see labels.py)
-    onednn: bool | None = None  # fp32 linear through oneDNN; None = pick what is faster for the dtype
 
     def __post_init__(self):
         if not isinstance(self.batch_size, int) or self.batch_size < 1:

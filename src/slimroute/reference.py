@@ -25,7 +25,7 @@ class ReferenceClassifier:
     def _next_token_logprobs(self, ids: list[int]) -> torch.Tensor:
         device = next(self.model.parameters()).device
         input_ids = torch.tensor([ids], device=device)
-        logits = self.model(input_ids=input_ids, use_cache=False).logits  # (1, T, V)
+        logits = self.model(input_ids=input_ids, use_cache=False, logits_to_keep=1).logits  # (1, 1, V)
         return torch.log_softmax(logits[0, -1].float(), dim=-1)
 
     def classify_one(self, text: str) -> Prediction:

@@ -1,0 +1,53 @@
+"""Linear-layer kernels. On this class of CPU torch's default fp32 `nn.Linear` goes through MKL,
+which does not use AVX-512 on AMD; oneDNN's linear gives the same results about 1.8x faster
+in fp32 and about 1.2x faster in bf16 (measured: `python benchmarks/kernels.py`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+KERNELS = ("auto", "onednn", "default")
+
+
+class OneDNNLinear(nn.Module):
+    """Drop-in for nn.Linear that calls oneDNN (a private op: torch is pinned)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+    def to_linear(self) -> nn.Linear:
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                           device="meta", dtype=self.weight.dtype)
+        linear.weight, linear.bias = self.weight, self.bias
+        return linear
+
+
+def onednn_available(device: torch.device | str, dtype: torch.dtype) -> bool:
+    return (
+        torch.device(device).type == "cpu"
+        and torch.backends.mkldnn.is_available()
+        and dtype in (torch.float32, torch.bfloat16)
+    )
+
+
+def set_linear_kernels(model: nn.Module, kernels: str = "auto") -> str:
+    """Swap every nn.Linear for oneDNN (or back); returns the kernels in use."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
+    param = next(model.parameters())
+    use = kernels == "onednn" or (kernels == "auto" and onednn_available(param.device, param.dtype))
+    if use and not onednn_available(param.device, param.dtype):
+        raise ValueError(f"oneDNN kernels need a CPU model in float32 or bfloat16, got {param.device}/{param.dtype}")
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if use and type(child) is nn.Linear:
+                setattr(parent, name, OneDNNLinear(child))
+            elif not use and isinstance(child, OneDNNLinear):
+                setattr(parent, name, child.to_linear())
+    return "onednn" if use else "default"

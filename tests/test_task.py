@@ -1,0 +1,63 @@
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from slimroute.task import Example, Prompt, Task, encode, render_prompt
+
+LABELS = ("billing", "technical", "account")
+
+
+def test_prefix_plus_item_equals_whole_prompt(tiny):
+    _, tok = tiny
+    task = Task(LABELS, examples=(Example("I was charged twice", "billing"),))
+    prompt = Prompt(task, tok)
+    for text in ["hi", "  leading space", "trailing\n\n", "x" * 300, "émoji 🎉 ünïcode", "a\nb\n\nc"]:
+        assert encode(tok, render_prompt(tok, task, text)) == prompt.prefix_ids + prompt.item_ids(text)
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(min_size=1, max_size=80).filter(lambda t: t.strip()))
+def test_split_is_exact_for_any_text(text):
+    from conftest import _cached
+
+    for arch in ("qwen2", "llama"):
+        _, tok = _cached(arch)
+        prompt = Prompt(Task(LABELS), tok)
+        assert encode(tok, render_prompt(tok, prompt.task, text)) == prompt.prefix_ids + prompt.item_ids(text)
+        assert prompt.item_ids_batch([text]) == [prompt.item_ids(text)]
+
+
+def test_prefix_ends_at_a_special_token(tiny):
+    _, tok = tiny
+    prompt = Prompt(Task(LABELS), tok)
+    assert prompt.prefix_ids[-1] in tok.added_tokens_encoder.values()
+
+
+def test_fit_text_truncates_to_context(tiny_qwen):
+    _, tok = tiny_qwen
+    prompt = Prompt(Task(LABELS), tok, max_positions=120)
+    text, truncated = prompt.fit_text("billing " * 500)
+    assert truncated and len(prompt.prefix_ids) + len(prompt.item_ids(text)) + 3 <= 120
+    assert prompt.fit_text("short") == ("short", False)
+
+
+@pytest.mark.parametrize(
+    "labels, message",
+    [((), "empty"), (("a", "a"), "twice"), (("a", ""), "non-empty"), ((" a", "b"), "whitespace")],
+)
+def test_bad_labels_are_rejected(labels, message):
+    with pytest.raises(ValueError, match=message):
+        Task(labels)
+
+
+def test_task_from_dict_and_file(tmp_path):
+    path = tmp_path / "task.yaml"
+    path.write_text("labels: [billing, account]\ninstructions: Route it.\nexamples:\n"
+                    "  - {text: refund please, label: billing}\n")
+    task = Task.from_file(path)
+    assert task.labels == ("billing", "account") and task.examples[0].label == "billing"
+    with pytest.raises(ValueError, match="not one of the labels"):
+        Task.from_dict({"labels": ["a", "b"], "examples": [{"text": "x", "label": "c"}]})
+    with pytest.raises(ValueError, match="unknown field"):
+        Task.from_dict({"labels": ["a", "b"], "label": "oops"})
+    assert Task.from_labels("a, b ,c").labels == ("a", "b", "c")
