@@ -1,7 +1,6 @@
 import functools
 
 import pytest
-
 from tiny import tiny_model
 
 

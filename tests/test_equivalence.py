@@ -2,10 +2,10 @@
 
 import random
 
+from conftest import _cached
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import _cached
 from slimroute.config import EngineConfig
 from slimroute.engine import Engine
 from slimroute.reference import ReferenceClassifier

@@ -1,12 +1,12 @@
 import pytest
 import torch
+from tiny import tiny_model
 from torch import nn
 
 from slimroute.config import EngineConfig
 from slimroute.engine import Engine
 from slimroute.kernels import OneDNNLinear, set_linear_kernels
 from slimroute.task import Task
-from tiny import tiny_model
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

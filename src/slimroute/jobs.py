@@ -1,16 +1,82 @@
-"""Run a classifier over input rows: bad rows become per-row errors, results keep input order."""
+"""Run a classifier over input rows: bad rows become per-row errors, results keep input order.
+
+`run_job` streams any number of rows through the classifier in windows of `window` rows: each
+window is classified (sorted and bucketed by length inside the engine), then committed to a
+`DurableOutput` in input order, so memory is bounded by the window, not by the input.
+See docs/jobs.md for what is durable when.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections import Counter
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from itertools import islice
+from pathlib import Path
 
 from slimroute.data import Row
 from slimroute.labels import Prediction
 
+DEFAULT_WINDOW = 2048
 
-def classify_rows(classifier, rows: list[Row], progress: Callable[[int], None] | None = None) -> list[Prediction]:
+
+@dataclass(frozen=True)
+class JobConfig:
+    window: int = DEFAULT_WINDOW  # rows classified and committed together
+    limit: int | None = None  # only the first N rows (None or 0: all)
+    resume: bool = False  # continue after the last committed window
+    overwrite: bool = False  # replace an existing output (and drop an unfinished job's progress)
+    errors: Path | None = None  # failed rows go to this JSONL file instead of the output
+
+    def __post_init__(self):
+        if not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"window must be an integer >= 1, got {self.window!r}")
+        if self.limit is not None and self.limit < 0:
+            raise ValueError(f"limit must be >= 0, got {self.limit!r}")
+        if self.resume and self.overwrite:
+            raise ValueError("give either --resume or --overwrite, not both")
+
+
+def windows(rows: Iterable[Row], size: int) -> Iterator[list[Row]]:
+    """Consecutive lists of `size` rows (the last may be shorter); never reads further ahead."""
+    it = iter(rows)
+    while batch := list(islice(it, size)):
+        yield batch
+
+
+def run_job(classifier, rows: Iterable[Row], output, summary: JobSummary, window: int = DEFAULT_WINDOW,
+            progress: Callable[[int], None] | None = None) -> JobSummary:
+    """Classify `rows` into `output` (a started DurableOutput) window by window, skipping the rows it
+    has already committed, then finish it. An exception leaves every committed window in place."""
+    for batch in windows(islice(rows, output.record.rows_done, None), window):
+        preds = classify_rows(classifier, batch, progress)
+        summary.add(batch, preds)
+        output.commit(batch, preds, summary.state())
+    output.finish()
+    return summary
+
+
+def job_settings(*, task, config, model: str, dtype: str, device: str, threads: int, reference: bool,
+                 window: int, columns: tuple, limit: int | None, errors: Path | None) -> dict:
+    """Everything that can change the output's bytes; a job resumes only when these are unchanged."""
+    import torch
+    import transformers
+
+    prompt = json.dumps([task.instructions, [[ex.text, ex.label] for ex in task.examples]])
+    return {
+        "model": model, "dtype": dtype, "device": device, "threads": threads, "reference": reference,
+        "labels": list(task.labels), "prompt_sha256": hashlib.sha256(prompt.encode()).hexdigest()[:16],
+        **{f"engine.{key}": value for key, value in asdict(config).items()},
+        "window": window, "columns": list(columns), "limit": limit or None,
+        "errors": str(errors) if errors else None,
+        "torch": torch.__version__, "transformers": transformers.__version__,
+    }
+
+
+def classify_rows(classifier, rows: list[Row],
+                  progress: Callable[[int], None] | None = None) -> list[Prediction]:
     """One prediction per row, in order. A row with an error, or one the model fails on, gets an error
     prediction; every other row is still classified."""
     preds = [Prediction.failed(row.error) if row.error else None for row in rows]
@@ -37,13 +103,27 @@ class JobSummary:
     num_items: int = 0
     num_errors: int = 0
     num_truncated: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # this run only
     confusion: Counter = field(default_factory=Counter)  # (gold, predicted) -> count
     padding_overhead: float | None = None
+    num_resumed: int = 0  # rows committed by earlier, interrupted runs of the same job
 
     @property
     def items_per_s(self) -> float:
-        return self.num_items / self.seconds if self.seconds else 0.0
+        """Rows per second in this run."""
+        return (self.num_items - self.num_resumed) / self.seconds if self.seconds else 0.0
+
+    def state(self) -> dict:
+        """The counts, for the progress record (so a resumed job's summary covers every row)."""
+        return {"items": self.num_items, "errors": self.num_errors, "truncated": self.num_truncated,
+                "confusion": [[g, p, n] for (g, p), n in sorted(self.confusion.items())]}
+
+    @classmethod
+    def from_state(cls, labels: list[str], state: dict) -> JobSummary:
+        summary = cls(list(labels), num_items=state.get("items", 0), num_errors=state.get("errors", 0),
+                      num_truncated=state.get("truncated", 0), num_resumed=state.get("items", 0))
+        summary.confusion.update({(g, p): n for g, p, n in state.get("confusion", [])})
+        return summary
 
     @property
     def num_gold(self) -> int:
@@ -70,6 +150,7 @@ class JobSummary:
             "items": self.num_items,
             "errors": self.num_errors,
             "truncated": self.num_truncated,
+            "resumed": self.num_resumed,
             "seconds": round(self.seconds, 3),
             "items_per_s": round(self.items_per_s, 3),
             "accuracy": self.accuracy,
