@@ -31,7 +31,7 @@ def test_swap_and_restore_keep_answers():
     fast = Engine(model, tok, task, EngineConfig()).classify(texts)
     set_linear_kernels(model, "default")
     assert not any(isinstance(m, OneDNNLinear) for m in model.modules())
-    for a, b in zip(plain, fast):
+    for a, b in zip(plain, fast, strict=True):
         assert a.label == b.label and max(abs(a.logprobs[k] - b.logprobs[k]) for k in a.logprobs) < 1e-4
 
 

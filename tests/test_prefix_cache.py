@@ -17,7 +17,7 @@ def test_batches_never_modify_the_shared_prefix(tiny):
     before = snapshot(engine.prefix)
     engine.classify(["first ticket", "a much longer second ticket about billing " * 5, "x"])
     after = engine.prefix.tensors()
-    assert all(torch.equal(k0, k1) and torch.equal(v0, v1) for (k0, v0), (k1, v1) in zip(before, after))
+    assert all(torch.equal(k0, k1) and torch.equal(v0, v1) for (k0, v0), (k1, v1) in zip(before, after, strict=True))
     assert after[0][0].shape[0] == 1 and after[0][0].shape[-2] == len(engine.prompt.prefix_ids)
 
 
@@ -48,5 +48,5 @@ def test_prefix_cache_matches_full_prompt(tiny_llama):
     texts = ["refund my card please", "login error"]
     cached = Engine(model, tok, task, EngineConfig(prefix_cache=True)).classify(texts)
     full = Engine(model, tok, task, EngineConfig(prefix_cache=False)).classify(texts)
-    for a, b in zip(cached, full):
+    for a, b in zip(cached, full, strict=True):
         assert a.label == b.label and max(abs(a.logprobs[k] - b.logprobs[k]) for k in a.logprobs) < 1e-4
