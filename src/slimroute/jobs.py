@@ -65,12 +65,14 @@ def job_settings(*, task, config, model: str, dtype: str, device: str, threads: 
     import transformers
 
     prompt = json.dumps([task.instructions, [[ex.text, ex.label] for ex in task.examples]])
+    if Path(model).expanduser().exists():  # a folder or .gguf file, however it was spelled
+        model = str(Path(model).expanduser().resolve())
     return {
         "model": model, "dtype": dtype, "device": device, "threads": threads, "reference": reference,
         "labels": list(task.labels), "prompt_sha256": hashlib.sha256(prompt.encode()).hexdigest()[:16],
         **{f"engine.{key}": value for key, value in asdict(config).items()},
         "window": window, "columns": list(columns), "limit": limit or None,
-        "errors": str(errors) if errors else None,
+        "errors": str(Path(errors).resolve()) if errors else None,
         "torch": torch.__version__, "transformers": transformers.__version__,
     }
 
