@@ -87,3 +87,26 @@ def test_results_come_back_in_input_order(tiny_qwen):
     batched = engine.classify(texts)
     singles = [engine.classify([t])[0] for t in texts]
     assert_equal(singles, batched)
+
+
+def test_near_tie_recheck_uses_the_exact_path(tiny_qwen):
+    model, tok = tiny_qwen
+    task = Task(LABEL_SETS["multi"])
+    texts = [make_text(random.Random(4), n) for n in (3, 30, 90)]
+    ref = ReferenceClassifier(model, tok, task).classify(texts)
+    always = Engine(model, tok, task, EngineConfig(recheck_margin=float("inf")))
+    preds = always.classify(texts)
+    assert always.last_stats.num_rechecked == 3
+    assert [p.logprobs for p in preds] == [p.logprobs for p in ref]  # bit-identical: it is the reference
+    never = Engine(model, tok, task, EngineConfig(recheck_margin=0.0))
+    assert_equal(ref, never.classify(texts))
+    assert never.last_stats.num_rechecked == 0
+
+
+def test_decision_margin():
+    from slimroute.labels import decision_margin
+
+    ids = [(5,), (7, 8), (7, 9)]
+    lps = [[-1.0], [-0.5, -2.0], [-0.5, -0.1]]
+    assert abs(decision_margin("greedy", ids, lps) - 0.5) < 1e-9  # step 1: 0.5 vs 1.0; step 2: 1.9
+    assert abs(decision_margin("max-prob", ids, lps) - 0.4) < 1e-9  # -0.6 vs -1.0

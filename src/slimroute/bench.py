@@ -52,6 +52,7 @@ class Row:
     accuracy: float
     peak_rss_gb: float
     tokens: int
+    rechecked: int | None = None
     speedup: float | None = None
 
     @property
@@ -121,12 +122,12 @@ def run_row(name, dtype, classifier, texts, golds, reference=None, tokens=None) 
         else:
             tokens = sum(p.num_tokens for p in preds)
     row = Row(name, dtype, seconds, len(texts), stats.padding.overhead if stats else None, agreement, dlogprob,
-              accuracy, rss.peak / 2**30, int(tokens))
+              accuracy, rss.peak / 2**30, int(tokens), stats.num_rechecked if stats else None)
     return row, preds
 
 
 def run_bench(n=600, batch_size=32, dtypes=("float32", "bfloat16"), model="qwen2.5-coder-0.5b", threads=None,
-              max_batch_tokens=None, quick=False, log=print) -> dict:
+              max_batch_tokens=None, quick=False, recheck_margin=0.5, log=print) -> dict:
     if quick:
         n = min(n, 100)
     tickets = synthetic_tickets(600, 0)[:n]
@@ -134,7 +135,9 @@ def run_bench(n=600, batch_size=32, dtypes=("float32", "bfloat16"), model="qwen2
     task = Task(LABELS)
     few_shot = Task(LABELS, examples=FEW_SHOT)
     all_on = EngineConfig(batch_size=batch_size, max_batch_tokens=max_batch_tokens)
+    rechecked = EngineConfig(batch_size=batch_size, max_batch_tokens=max_batch_tokens, recheck_margin=recheck_margin)
     rows: list[Row] = []
+    refs: dict[str, list[Prediction]] = {}
 
     def add(row: Row):
         rows.append(row)
@@ -170,12 +173,18 @@ def run_bench(n=600, batch_size=32, dtypes=("float32", "bfloat16"), model="qwen2
             set_linear_kernels(m, loaded.kernels)
         add(run_row(f"all combined ({loaded.kernels} kernels)", dtype, Engine(m, tok, task, all_on, ctx), texts,
                     golds, ref)[0])
+        refs[dtype] = ref
+        if dtype == "bfloat16":
+            add(run_row(f"all combined + near-tie recheck (margin {recheck_margin})", dtype,
+                        Engine(m, tok, task, rechecked, ctx), texts, golds, ref)[0])
         if dtype == dtypes[-1]:
             fs_ref_row, fs_ref = run_row("reference, few-shot", dtype,
                                          ReferenceClassifier(m, tok, few_shot, max_positions=ctx), texts, golds)
             add(fs_ref_row)
-            engine = Engine(m, tok, few_shot, all_on, ctx)
-            row, _ = run_row(f"all combined, few-shot ({len(engine.prompt.prefix_ids)}-token prefix)", dtype,
+            fs_config = rechecked if dtype == "bfloat16" else all_on
+            engine = Engine(m, tok, few_shot, fs_config, ctx)
+            suffix = " + recheck" if dtype == "bfloat16" else ""
+            row, _ = run_row(f"all combined, few-shot ({len(engine.prompt.prefix_ids)}-token prefix){suffix}", dtype,
                              engine, texts, golds, fs_ref)
             add(row)
         del loaded, m
@@ -183,7 +192,14 @@ def run_bench(n=600, batch_size=32, dtypes=("float32", "bfloat16"), model="qwen2
     base = rows[0].items_per_s
     for row in rows:
         row.speedup = row.items_per_s / base
+    drift = None
+    if "float32" in refs and "bfloat16" in refs:  # how far the bf16 reference drifts from the fp32 one
+        drift = compare([str(i) for i in range(n)], refs["float32"], refs["bfloat16"]).to_dict()
+        drift.pop("disagreeing_ids")
+        log(f"bf16 vs fp32 reference: label agreement {fmt_pct(drift['agreement'])}, "
+            f"max |Δ log-prob| {drift['max_abs_logprob_diff']:.3f}")
     return {"machine": machine_info(threads), "n": n, "batch_size": batch_size, "model": model,
+            "recheck_margin": recheck_margin, "bf16_vs_fp32": drift,
             "rows": [{**asdict(r), "items_per_s": r.items_per_s} for r in rows]}
 
 
@@ -223,15 +239,19 @@ def markdown(record: dict, command: str) -> str:
         f"torch {m['torch']}, git {m['git_sha']}, {m['date']}",
         "",
         "| row | dtype | seconds | items/s | speedup | padding | agreement | max \\|Δ log-prob\\| | accuracy "
-        "| peak RSS | tokens |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| peak RSS | tokens | rechecked |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    drift = record.get("bf16_vs_fp32")
     for r in record["rows"]:
         lines.append(
             f"| {r['name']} | {r['dtype']} | {r['seconds']:.1f} | {r['items_per_s']:.2f} | {r['speedup']:.2f}x | "
             f"{fmt_pct(r['padding'])} | {fmt_pct(r['agreement'])} | {fmt_sci(r['max_dlogprob'])} | "
-            f"{fmt_pct(r['accuracy'])} | {r['peak_rss_gb']:.2f} GB | {r['tokens']:,} |"
+            f"{fmt_pct(r['accuracy'])} | {r['peak_rss_gb']:.2f} GB | {r['tokens']:,} | {r['rechecked'] or '-'} |"
         )
+    if drift:
+        lines += ["", f"bf16 reference vs fp32 reference: label agreement {fmt_pct(drift['agreement'])}, "
+                      f"max |Δ log-prob| {drift['max_abs_logprob_diff']:.3f}"]
     return "\n".join(lines) + "\n"
 
 

@@ -14,11 +14,16 @@ class EngineConfig:
     prefix_cache: bool = True  # compute the shared prompt prefix once and reuse its keys/values
     sort: bool = True  # sort items by token length before batching
     decision: str = "greedy"  # "greedy" or "max-prob" (see labels.py)
+    # Near-ties whose decision margin (log-prob gap to the runner-up) is below this are re-decided by the
+    # exact one-at-a-time path, so bf16 batching noise cannot flip them. None: off (fp32 needs none).
+    recheck_margin: float | None = None
 
     def __post_init__(self):
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
         if self.max_batch_tokens is not None and self.max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1 or None, got {self.max_batch_tokens!r}")
+        if self.recheck_margin is not None and self.recheck_margin < 0:
+            raise ValueError(f"recheck_margin must be >= 0 or None, got {self.recheck_margin!r}")
         if self.decision not in DECISIONS:
             raise ValueError(f"decision must be one of {', '.join(DECISIONS)}, got {self.decision!r}")

@@ -16,7 +16,7 @@ from transformers import DynamicCache
 
 from slimroute.batching import PaddingStats, pad_right, plan_batches
 from slimroute.config import EngineConfig
-from slimroute.labels import Prediction, make_prediction
+from slimroute.labels import Prediction, decision_margin, make_prediction
 from slimroute.prefix_cache import PrefixCache, continue_cache
 from slimroute.scoring import LabelScorer
 from slimroute.task import Prompt, Task
@@ -27,6 +27,7 @@ class EngineStats:
     num_items: int = 0
     num_batches: int = 0
     num_truncated: int = 0
+    num_rechecked: int = 0  # near-ties re-decided by the exact one-at-a-time path
     seconds: float = 0.0
     padding: PaddingStats = field(default_factory=PaddingStats)
 
@@ -34,12 +35,16 @@ class EngineStats:
         self.num_items += other.num_items
         self.num_batches += other.num_batches
         self.num_truncated += other.num_truncated
+        self.num_rechecked += other.num_rechecked
         self.seconds += other.seconds
         self.padding.merge(other.padding)
 
 
 class Engine:
-    def __init__(self, model, tokenizer, task: Task, config: EngineConfig | None = None, max_positions=None):
+    def __init__(self, model, tokenizer, task: Task, config: EngineConfig | None = None, max_positions=None,
+                 recheck=None):
+        """recheck: a callable text -> Prediction (the reference's classify_one) used for near-ties
+        when config.recheck_margin is set."""
         self.model, self.tokenizer, self.task = model, tokenizer, task
         self.config = config or EngineConfig()
         self.max_positions = max_positions or int(getattr(model.config, "max_position_embeddings", 32768))
@@ -51,6 +56,11 @@ class Engine:
         self.scorer = LabelScorer(model.get_output_embeddings(), tokens)
         self.prefix = PrefixCache(model, self.prompt.prefix_ids) if self.config.prefix_cache else None
         self.stats = EngineStats()  # totals over the engine's life
+        if self.config.recheck_margin is not None and recheck is None:
+            from slimroute.reference import ReferenceClassifier
+
+            recheck = ReferenceClassifier(model, tokenizer, task, self.config.decision, self.max_positions).classify_one
+        self.recheck = recheck
 
     @classmethod
     def from_loaded(cls, loaded, task: Task, config: EngineConfig | None = None) -> Engine:
@@ -79,6 +89,12 @@ class Engine:
             if progress:
                 progress(len(batch))
             for i, lps in zip(batch, token_logprobs, strict=True):
+                if cfg.recheck_margin is not None and decision_margin(cfg.decision, self.label_ids, lps) < (
+                    cfg.recheck_margin
+                ):
+                    results[i] = self.recheck(texts[i])
+                    run.num_rechecked += 1
+                    continue
                 results[i] = make_prediction(
                     self.task.labels, self.label_ids, lps, cfg.decision, self._prompt_len(lengths[i]), truncated[i]
                 )

@@ -97,3 +97,25 @@ def make_prediction(labels, label_ids, token_logprobs, rule, num_tokens=0, trunc
     choice = decide(rule, label_ids, token_logprobs)
     logprobs = {label: float(sum(lps)) for label, lps in zip(labels, token_logprobs, strict=True)}
     return Prediction(labels[choice], logprobs, num_tokens, truncated)
+
+
+def decision_margin(rule: str, label_ids: list[tuple[int, ...]], token_logprobs: list[list[float]]) -> float:
+    """How far the decision is from flipping: the smallest log-prob gap between the chosen option and the
+    runner-up (at each greedy step, or between the top two label totals for max-prob)."""
+    if len(label_ids) < 2:
+        return float("inf")
+    if rule == "max-prob":
+        totals = sorted((sum(lps) for lps in token_logprobs), reverse=True)
+        return totals[0] - totals[1]
+    alive, depth, margin = list(range(len(label_ids))), 0, float("inf")
+    while not any(len(label_ids[i]) == depth for i in alive):
+        options: dict[int, float] = {}
+        for i in alive:
+            options.setdefault(label_ids[i][depth], token_logprobs[i][depth])
+        ranked = sorted(options.values(), reverse=True)
+        if len(ranked) > 1:
+            margin = min(margin, ranked[0] - ranked[1])
+        best = max(options, key=lambda tok: (options[tok], -tok))
+        alive = [i for i in alive if label_ids[i][depth] == best]
+        depth += 1
+    return margin
