@@ -11,15 +11,19 @@ from slimroute.batching import PaddingStats, pad_right, plan_batches
     batch_size=st.integers(1, 64),
     budget=st.one_of(st.none(), st.integers(1, 4000)),
     sort=st.booleans(),
+    max_padding=st.one_of(st.none(), st.floats(0, 0.5)),
 )
-def test_every_item_once_within_limits(lengths, batch_size, budget, sort):
-    batches = plan_batches(lengths, batch_size, budget, sort)
+def test_every_item_once_within_limits(lengths, batch_size, budget, sort, max_padding):
+    batches = plan_batches(lengths, batch_size, budget, sort, max_padding)
     flat = [i for b in batches for i in b]
     assert sorted(flat) == list(range(len(lengths)))
     for b in batches:
         assert 1 <= len(b) <= batch_size
+        padded = max(lengths[i] for i in b) * len(b)
         if budget is not None and len(b) > 1:
-            assert max(lengths[i] for i in b) * len(b) <= budget
+            assert padded <= budget
+        if max_padding is not None:
+            assert padded - sum(lengths[i] for i in b) <= max_padding * padded + 1e-9
     if sort:
         assert [lengths[i] for i in flat] == sorted(lengths)
     else:
@@ -35,6 +39,13 @@ def test_sorting_cuts_padding():
             s.add([lengths[i] for i in b])
         stats[sort] = s.overhead
     assert stats[True] < 0.05 < stats[False]
+
+
+def test_max_padding_splits_the_sparse_tail():
+    lengths = [20] * 64 + [150, 300, 450]
+    batches = plan_batches(lengths, 32, max_padding=0.05)
+    assert [len(b) for b in batches] == [32, 32, 1, 1, 1]
+    assert [len(b) for b in plan_batches(lengths, 32)] == [32, 32, 3]
 
 
 def test_pad_right():

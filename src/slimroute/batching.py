@@ -8,26 +8,34 @@ import torch
 
 
 def plan_batches(
-    lengths: list[int], batch_size: int = 32, max_batch_tokens: int | None = None, sort: bool = True
+    lengths: list[int],
+    batch_size: int = 32,
+    max_batch_tokens: int | None = None,
+    sort: bool = True,
+    max_padding: float | None = None,
 ) -> list[list[int]]:
     """Group item indices into batches; each batch is padded to its longest item.
 
     With `max_batch_tokens`, a batch grows while (items x longest item) stays within the budget;
-    an item longer than the budget forms a batch of its own.
+    an item longer than the budget forms a batch of its own. With `max_padding`, a batch is closed
+    before an item that would make its padded share exceed that fraction (this keeps the sparse
+    long tail from padding whole batches).
     """
     order = sorted(range(len(lengths)), key=lambda i: lengths[i]) if sort else list(range(len(lengths)))
     batches: list[list[int]] = []
     current: list[int] = []
-    longest = 0
+    longest = real = 0
     for i in order:
         new_longest = max(longest, lengths[i])
+        padded = new_longest * (len(current) + 1)
         too_many = len(current) >= batch_size
-        too_big = max_batch_tokens is not None and new_longest * (len(current) + 1) > max_batch_tokens
-        if current and (too_many or too_big):
+        too_big = max_batch_tokens is not None and padded > max_batch_tokens
+        too_padded = max_padding is not None and (padded - real - lengths[i]) > max_padding * padded
+        if current and (too_many or too_big or too_padded):
             batches.append(current)
-            current, new_longest = [], lengths[i]
+            current, new_longest, real = [], lengths[i], 0
         current.append(i)
-        longest = new_longest
+        longest, real = new_longest, real + lengths[i]
     if current:
         batches.append(current)
     return batches

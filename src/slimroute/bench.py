@@ -162,7 +162,7 @@ def run_bench(n=600, batch_size=32, dtypes=("float32", "bfloat16"), model="qwen2
                 ("label scoring alone (batch 1, no cache)", EngineConfig(batch_size=1, prefix_cache=False, sort=False)),
                 ("prefix cache alone (batch 1)", EngineConfig(batch_size=1, sort=False)),
                 (f"batching alone (batch {batch_size}, unsorted)",
-                 EngineConfig(batch_size=batch_size, prefix_cache=False, sort=False)),
+                 EngineConfig(batch_size=batch_size, prefix_cache=False, sort=False, max_padding=None)),
                 (f"sorted batching alone (batch {batch_size})",
                  EngineConfig(batch_size=batch_size, prefix_cache=False)),
             ]:

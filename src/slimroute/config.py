@@ -11,6 +11,7 @@ from slimroute.labels import DECISIONS
 class EngineConfig:
     batch_size: int = 32  # items per batch (upper bound when max_batch_tokens is set)
     max_batch_tokens: int | None = None  # padded item tokens per batch (batch size x longest item)
+    max_padding: float | None = 0.05  # close a batch before its padded share would exceed this (sorted tail)
     prefix_cache: bool = True  # compute the shared prompt prefix once and reuse its keys/values
     sort: bool = True  # sort items by token length before batching
     decision: str = "greedy"  # "greedy" or "max-prob" (see labels.py)
@@ -23,6 +24,8 @@ class EngineConfig:
             raise ValueError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
         if self.max_batch_tokens is not None and self.max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1 or None, got {self.max_batch_tokens!r}")
+        if self.max_padding is not None and not 0 <= self.max_padding < 1:
+            raise ValueError(f"max_padding must be in [0, 1) or None, got {self.max_padding!r}")
         if self.recheck_margin is not None and self.recheck_margin < 0:
             raise ValueError(f"recheck_margin must be >= 0 or None, got {self.recheck_margin!r}")
         if self.decision not in DECISIONS:

@@ -82,7 +82,7 @@ class Engine:
         results: list[Prediction | None] = [None] * len(texts)
         lengths = [len(ids) for ids in item_ids]
         cfg = self.config
-        for batch in plan_batches(lengths, cfg.batch_size, cfg.max_batch_tokens, cfg.sort):
+        for batch in plan_batches(lengths, cfg.batch_size, cfg.max_batch_tokens, cfg.sort, cfg.max_padding):
             token_logprobs = self._score_batch([item_ids[i] for i in batch])
             run.padding.add([lengths[i] for i in batch])
             run.num_batches += 1
