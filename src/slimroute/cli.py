@@ -41,6 +41,10 @@ NO_PREFIX = typer.Option(False, "--no-prefix-cache", help="Run the whole prompt 
 NO_SORT = typer.Option(False, "--no-sort", help="Batch in input order instead of by length.")
 DECISION = typer.Option("greedy", "--decision", help="greedy or max-prob (see README).")
 LIMIT = typer.Option(None, "--limit", help="Only the first N rows.")
+MAX_PADDING = typer.Option(0.05, "--max-padding", help="Close a batch before its padded share passes this.")
+RECHECK = typer.Option(None, "--recheck-margin",
+                       help="Re-decide near-ties (log-prob gap below this) on the exact path. "
+                            "Default: 0.5 for bfloat16, off for float32; 0 turns it off.")
 
 
 def fail(message: str, code: int = 2):
@@ -60,10 +64,16 @@ def build_task(labels, instructions, task_file):
     return Task.from_labels(labels, instructions)
 
 
-def engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort, decision) -> EngineConfig:
+BF16_RECHECK_MARGIN = 0.5  # above the largest bf16 batched-vs-reference drift measured (docs in README)
+
+
+def engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort, decision, max_padding=0.05,
+                  recheck_margin=None, dtype="float32") -> EngineConfig:
+    if recheck_margin is None and dtype in ("bfloat16", "bf16"):
+        recheck_margin = BF16_RECHECK_MARGIN
     return EngineConfig(
         batch_size=batch_size, max_batch_tokens=max_batch_tokens, prefix_cache=not no_prefix_cache,
-        sort=not no_sort, decision=decision,
+        sort=not no_sort, decision=decision, max_padding=max_padding or None, recheck_margin=recheck_margin or None,
     )
 
 
@@ -137,6 +147,7 @@ def classify(
     text_column: str = TEXT_COL, id_column: str = ID_COL, label_column: str = LABEL_COL,
     batch_size: int = BATCH, max_batch_tokens: int = MAX_TOKENS, no_prefix_cache: bool = NO_PREFIX,
     no_sort: bool = NO_SORT, decision: str = DECISION, limit: int = LIMIT,
+    max_padding: float = MAX_PADDING, recheck_margin: float = RECHECK,
     reference: bool = typer.Option(False, "--reference", help="Use the slow one-at-a-time reference path."),
     summary_json: Path = typer.Option(None, "--summary-json", help="Also write the summary as JSON."),
     window: int = typer.Option(2048, "--window", help="Rows read, classified and committed together."),
@@ -154,7 +165,8 @@ def classify(
 
     try:
         the_task = build_task(labels, instructions, task)
-        config = engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort, decision)
+        config = engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort, decision, max_padding,
+                               recheck_margin, dtype)
         job = JobConfig(window, limit, resume, overwrite, errors)
         rows = iter_rows(input, text_column, id_column, label_column)
         settings = job_settings(
@@ -253,6 +265,7 @@ def verify(
     text_column: str = TEXT_COL, id_column: str = ID_COL, label_column: str = LABEL_COL,
     batch_size: int = BATCH, max_batch_tokens: int = MAX_TOKENS, no_prefix_cache: bool = NO_PREFIX,
     no_sort: bool = NO_SORT, decision: str = DECISION, limit: int = LIMIT,
+    max_padding: float = MAX_PADDING, recheck_margin: float = RECHECK,
     json_out: Path = typer.Option(None, "--json", help="Write the agreement record here."),
 ):
     """Run the reference and the fast path on the same items; exit 1 on any disagreement."""
@@ -260,7 +273,8 @@ def verify(
 
     try:
         the_task = build_task(labels, instructions, task)
-        config = engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort, decision)
+        config = engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort, decision, max_padding,
+                               recheck_margin, dtype)
         rows = read_input(input, text_column, id_column, label_column, limit)
         loaded = load(model, dtype, threads, device)
         fast = make_classifier(loaded, the_task, config)
@@ -383,7 +397,10 @@ def serve(
     port: int = typer.Option(8000, "--port"),
     batch_size: int = BATCH,
     max_batch_tokens: int = typer.Option(
-        4096, "--max-batch-tokens", help="Padded tokens per engine batch; caps tokens gathered (0: none)."
+        1024, "--max-batch-tokens", help="Padded item tokens per engine batch, as in classify (0: no budget)."
+    ),
+    max_gather_tokens: int = typer.Option(
+        8192, "--max-gather-tokens", help="Item tokens gathered from the queue into one engine call (0: no cap)."
     ),
     decision: str = DECISION,
     max_wait_ms: float = typer.Option(5.0, "--max-wait-ms", help="How long a batch waits for more requests."),
@@ -406,10 +423,10 @@ def serve(
         else:
             single = build_task(labels, instructions, None)
             task_set = TaskSet({single.name: single}, single.name)
-        budget = max_batch_tokens or None
-        config = engine_config(batch_size, budget, False, False, decision)
+        config = engine_config(batch_size, max_batch_tokens or None, False, False, decision)
         settings = ServerSettings(
-            batch=BatchSettings(max_batch_items=batch_size, max_batch_tokens=budget, max_wait_ms=max_wait_ms,
+            batch=BatchSettings(max_batch_items=batch_size, max_gather_tokens=max_gather_tokens or None,
+                                max_wait_ms=max_wait_ms,
                                 max_queue_items=max_queue, max_text_tokens=max_text_tokens or None),
             max_texts=max_texts, max_text_chars=max_text_chars, max_body_bytes=max_body_bytes,
         )
