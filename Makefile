@@ -28,7 +28,7 @@ models-small: venv
 
 run: models
 	$(BIN)/slimroute classify data/tickets-600.jsonl --labels billing,technical,account \
-		--out out/predictions.jsonl
+		--out out/predictions.jsonl --overwrite
 
 lint: venv
 	$(BIN)/ruff check src tests benchmarks
