@@ -35,7 +35,7 @@ def assert_equal(ref_preds, fast_preds, tol=1e-4):
 @given(
     arch=st.sampled_from(["qwen2", "llama"]),
     labels=st.sampled_from(sorted(LABEL_SETS)),
-    lengths=st.lists(st.one_of(st.integers(1, 12), st.integers(60, 200)), min_size=1, max_size=24),
+    lengths=st.lists(st.one_of(st.integers(1, 12), st.integers(40, 160)), min_size=1, max_size=20),
     batch_size=st.integers(1, 64),
     budget=st.one_of(st.none(), st.integers(16, 600)),
     prefix_cache=st.booleans(),
@@ -62,7 +62,7 @@ def test_one_token_item_and_very_long_item(tiny):
     model, tok = tiny
     task = Task(LABEL_SETS["multi"])
     texts = ["x", make_text(random.Random(1), 400), "refund"]
-    engine = Engine(model, tok, task, EngineConfig(batch_size=3))
+    engine = Engine(model, tok, task, EngineConfig(batch_size=3, max_padding=None))
     assert_equal(ReferenceClassifier(model, tok, task).classify(texts), engine.classify(texts))
     assert engine.last_stats.padding.overhead > 0.5  # one batch, padded to the long item
 
