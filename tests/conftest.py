@@ -3,8 +3,9 @@ import functools
 import pytest
 import torch
 
-torch.set_num_threads(1)  # tiny models gain nothing from threads; avoids oversubscription on 2 cores
 from tiny import tiny_model
+
+torch.set_num_threads(1)  # tiny models gain nothing from threads; avoids oversubscription on 2 cores
 
 
 @functools.cache
