@@ -2,7 +2,6 @@ import functools
 
 import pytest
 import torch
-
 from tiny import tiny_model
 
 torch.set_num_threads(1)  # tiny models gain nothing from threads; avoids oversubscription on 2 cores
