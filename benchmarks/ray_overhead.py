@@ -85,7 +85,7 @@ def main() -> None:
     parser.add_argument("--labels", default="billing,technical,account")
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2, help="Threads per replica.")
-    parser.add_argument("--block-rows", type=int, default=512)
+    parser.add_argument("--block-rows", type=int, default=2048, help="Rows per Ray block (the backend's default).")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--json", type=Path, help="Also append the records to this JSONL file.")
     args = parser.parse_args()
