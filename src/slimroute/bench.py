@@ -228,6 +228,10 @@ def fmt_pct(x):
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
+def fmt_count(x):
+    return "-" if x is None else str(x)
+
+
 def fmt_sci(x):
     return "-" if x is None else f"{x:.1e}"
 
@@ -247,7 +251,7 @@ def markdown(record: dict, command: str) -> str:
         lines.append(
             f"| {r['name']} | {r['dtype']} | {r['seconds']:.1f} | {r['items_per_s']:.2f} | {r['speedup']:.2f}x | "
             f"{fmt_pct(r['padding'])} | {fmt_pct(r['agreement'])} | {fmt_sci(r['max_dlogprob'])} | "
-            f"{fmt_pct(r['accuracy'])} | {r['peak_rss_gb']:.2f} GB | {r['tokens']:,} | {'-' if r['rechecked'] is None else r['rechecked']} |"
+            f"{fmt_pct(r['accuracy'])} | {r['peak_rss_gb']:.2f} GB | {r['tokens']:,} | {fmt_count(r['rechecked'])} |"
         )
     if drift:
         lines += ["", f"bf16 reference vs fp32 reference: label agreement {fmt_pct(drift['agreement'])}, "
