@@ -154,6 +154,12 @@ def classify(
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted job after its last window."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output."),
     errors: Path = typer.Option(None, "--errors", help="Write failed rows to this .jsonl, not to --out."),
+    server: str = typer.Option(None, "--server", help="Send the rows to a running `slimroute serve` at this URL."),
+    server_task: str = typer.Option(None, "--server-task", help="Named task on the server (default task if unset)."),
+    backend: str = typer.Option("local", "--backend", help="local, or ray (Ray Data; see docs/ray.md)."),
+    ray_address: str = typer.Option(None, "--ray-address", help="auto or ray://host:10001 (default: start locally)."),
+    replicas: int = typer.Option(1, "--replicas", help="Ray backend: model replicas (actors)."),
+    threads_per_replica: int = typer.Option(None, "--threads-per-replica", help="Ray backend: torch threads each."),
 ):
     """Classify every row of INPUT, streaming, and write one prediction per row, in input order.
 
@@ -163,8 +169,23 @@ def classify(
     from slimroute.models import physical_cores
     from slimroute.output import DurableOutput, input_fingerprint
 
+    if backend not in ("local", "ray"):
+        fail(f"--backend must be local or ray, got {backend!r}")
+    if backend == "ray":
+        return classify_on_ray(input, out, labels, instructions, task, model, dtype, text_column, id_column,
+                               label_column, engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort,
+                                                           decision, max_padding, recheck_margin, dtype),
+                               replicas, threads_per_replica, ray_address)
     try:
-        the_task = build_task(labels, instructions, task)
+        remote = None
+        if server:
+            from slimroute.client import RemoteClassifier
+            from slimroute.task import Task
+
+            remote = RemoteClassifier(server, server_task)
+            the_task = build_task(labels, instructions, task) if (labels or task) else Task(remote.labels())
+        else:
+            the_task = build_task(labels, instructions, task)
         config = engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort, decision, max_padding,
                                recheck_margin, dtype)
         job = JobConfig(window, limit, resume, overwrite, errors)
@@ -176,8 +197,7 @@ def classify(
         )
         output = DurableOutput.prepare(out, list(the_task.labels), input_fingerprint(input), settings,
                                        resume=job.resume, overwrite=job.overwrite, errors=job.errors)
-        loaded = load(model, dtype, threads, device)
-        classifier = make_classifier(loaded, the_task, config, reference)
+        classifier = remote or make_classifier(load(model, dtype, threads, device), the_task, config, reference)
     except (ValueError, ModelNotFoundError) as exc:
         fail(str(exc))
     except KeyboardInterrupt:
@@ -209,6 +229,20 @@ def classify(
                       f"and {summary.num_errors} failed rows to {job.errors}")
     else:
         console.print(f"wrote {summary.num_items} predictions to {out}")
+
+
+def classify_on_ray(input, out, labels, instructions, task, model, dtype, text_column, id_column, label_column,
+                    config, replicas, threads_per_replica, ray_address):
+    try:
+        from slimroute.backends.ray import run_ray_job
+    except ImportError as exc:
+        fail(f"the Ray backend needs Ray: pip install 'slimroute[ray]' ({exc})")
+    try:
+        summary = run_ray_job(input, out, build_task(labels, instructions, task), model, config, replicas,
+                              threads_per_replica, ray_address, text_column, id_column, label_column, dtype)
+    except (ValueError, ModelNotFoundError) as exc:
+        fail(str(exc))
+    console.print_json(json.dumps(summary))
 
 
 def run_job_with_progress(classifier, rows, output, summary, window: int, total: int | None) -> float:
@@ -395,10 +429,8 @@ def serve(
     model: str = MODEL, dtype: str = DTYPE, threads: int = THREADS, device: str = DEVICE,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(8000, "--port"),
-    batch_size: int = BATCH,
-    max_batch_tokens: int = typer.Option(
-        1024, "--max-batch-tokens", help="Padded item tokens per engine batch, as in classify (0: no budget)."
-    ),
+    batch_size: int = BATCH, max_batch_tokens: int = MAX_TOKENS, max_padding: float = MAX_PADDING,
+    recheck_margin: float = RECHECK,
     max_gather_tokens: int = typer.Option(
         8192, "--max-gather-tokens", help="Item tokens gathered from the queue into one engine call (0: no cap)."
     ),
@@ -423,7 +455,8 @@ def serve(
         else:
             single = build_task(labels, instructions, None)
             task_set = TaskSet({single.name: single}, single.name)
-        config = engine_config(batch_size, max_batch_tokens or None, False, False, decision)
+        config = engine_config(batch_size, max_batch_tokens, False, False, decision, max_padding, recheck_margin,
+                               dtype)
         settings = ServerSettings(
             batch=BatchSettings(max_batch_items=batch_size, max_gather_tokens=max_gather_tokens or None,
                                 max_wait_ms=max_wait_ms,
