@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -46,11 +47,11 @@ def save_tiny_model(folder: Path) -> None:
     tokenizer.save_pretrained(folder)
 
 
-def run_one(src: Path, model: Path, out: Path, window: int, threads: int) -> dict:
+def run_one(src: Path, model: Path, out: Path, window: int, threads: int, cli_args: list[str]) -> dict:
     command = [sys.executable, "-m", "slimroute.cli", "classify", str(src),
                "--labels", "billing,technical,account", "--model", str(model), "--out", str(out),
                "--window", str(window), "--threads", str(threads),
-               "--summary-json", str(out.with_suffix(".summary.json"))]
+               "--summary-json", str(out.with_suffix(".summary.json")), *cli_args]
     start = time.perf_counter()
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     samples = []  # (rows committed, RSS MiB) twice a second: flat after the first windows
@@ -71,7 +72,7 @@ def run_one(src: Path, model: Path, out: Path, window: int, threads: int) -> dic
             "rss_mib_at_half": halfway[0] if halfway else None,
             "rss_mib_last": samples[-1][1] if samples else None,
             "wall_s": round(seconds, 1), "items_per_s": summary["items_per_s"], "window": window,
-            "threads": threads}
+            "threads": threads, "cli_args": " ".join(cli_args)}
 
 
 def versions() -> dict:
@@ -93,6 +94,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--max-chars", type=int, default=160, help="Cut texts to this length (speed).")
+    parser.add_argument("--cli-args", default="", help="Extra classify flags, e.g. '--max-padding 0'.")
     parser.add_argument("--json", type=Path, help="Also append the records to this JSONL file.")
     args = parser.parse_args()
     info = versions()
@@ -103,7 +105,8 @@ def main() -> None:
         for num_rows in args.rows:
             src = tmp / f"in-{num_rows}.jsonl"
             write_input(src, num_rows, args.max_chars)
-            record = {**run_one(src, tmp / "model", tmp / f"out-{num_rows}.jsonl", args.window, args.threads),
+            out = tmp / f"out-{num_rows}.jsonl"
+            record = {**run_one(src, tmp / "model", out, args.window, args.threads, shlex.split(args.cli_args)),
                       "input_mib": round(src.stat().st_size / 2**20, 1), "max_chars": args.max_chars, **info}
             records.append(record)
             print(json.dumps(record), flush=True)
