@@ -1,0 +1,246 @@
+"""Load test for `slimroute serve`: N concurrent clients sending single tickets over loopback.
+
+Measures, in one run on the same machine, dtype and engine config (that of `slimroute classify`):
+  1. offline throughput: `engine.classify` on all the tickets at once (warm-up excluded);
+  2. server throughput and latency: `slimroute serve` in a subprocess, --clients concurrent clients
+     each sending one ticket per request until --n tickets are answered (or --max-seconds pass);
+  3. offline throughput again: the ratio uses the mean of the run before and the run after, since
+     other work on a shared machine moves both.
+Every server answer is compared with the offline answer for the same ticket.
+
+    flock /tmp/slimroute-heavy.lock python benchmarks/load.py --n 300 --clients 32
+
+Prints a table and one JSON record (also written to --json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import math
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLE = ROOT / "data" / "tickets-600.jsonl"
+LABELS = "billing,technical,account"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen2.5-coder-0.5b")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--n", type=int, default=300, help="tickets (at most 600)")
+    p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--max-batch-tokens", type=int, default=0, help="engine token budget (0: none)")
+    p.add_argument("--max-padding", type=float, default=0.05, help="engine padding cap (0: none)")
+    p.add_argument("--max-gather-tokens", type=int, default=8192, help="server gather cap (0: none)")
+    p.add_argument("--max-wait-ms", type=float, default=5.0)
+    p.add_argument("--max-seconds", type=float, default=900.0, help="cap on the load phase")
+    p.add_argument("--skip-offline", action="store_true", help="only the server part")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    if not 1 <= args.n <= 600 or not 1 <= args.clients <= 256:
+        p.error("--n must be 1..600 and --clients 1..256")
+    return args
+
+
+def load_tickets(n: int) -> list[dict]:
+    if SAMPLE.is_file():
+        with open(SAMPLE, encoding="utf-8") as f:
+            tickets = [json.loads(line) for line in f if line.strip()]
+    else:
+        from slimroute.data import synthetic_tickets
+
+        tickets = synthetic_tickets(600, 0)
+    return tickets[:n]
+
+
+def measure_offline(args, texts: list[str]) -> tuple[dict, list]:
+    from slimroute.config import EngineConfig
+    from slimroute.engine import Engine
+    from slimroute.models import load_model
+    from slimroute.task import Task
+
+    loaded = load_model(args.model, args.dtype, args.threads)
+    config = EngineConfig(batch_size=args.batch_size, max_batch_tokens=args.max_batch_tokens or None,
+                          max_padding=args.max_padding or None)
+    engine = Engine.from_loaded(loaded, Task.from_labels(LABELS), config)
+    engine.classify(texts[:8])  # warm-up
+    start = time.perf_counter()
+    predictions = engine.classify(texts)
+    seconds = time.perf_counter() - start
+    record = {"items_per_s": round(len(texts) / seconds, 3), "seconds": round(seconds, 2),
+              "padding_overhead": round(engine.last_stats.padding.overhead, 4), "threads": loaded.threads}
+    print(f"offline: {len(texts) / seconds:.2f} items/s", file=sys.stderr, flush=True)
+    del engine, loaded
+    gc.collect()
+    return record, predictions
+
+
+def start_server(args, port: int) -> subprocess.Popen:
+    command = [sys.executable, "-m", "slimroute.cli", "serve", "--model", args.model, "--dtype", args.dtype,
+               "--labels", LABELS, "--host", "127.0.0.1", "--port", str(port),
+               "--batch-size", str(args.batch_size), "--max-padding", str(args.max_padding),
+               "--max-gather-tokens", str(args.max_gather_tokens), "--max-wait-ms", str(args.max_wait_ms)]
+    if args.threads:
+        command += ["--threads", str(args.threads)]
+    if args.max_batch_tokens:
+        command += ["--max-batch-tokens", str(args.max_batch_tokens)]
+    return subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError("the server did not become ready")
+
+
+async def run_load(url: str, tickets: list[dict], clients: int, max_seconds: float) -> dict:
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(base_url=url, timeout=max_seconds, limits=limits) as client:
+        warm = tickets[:clients]  # warm-up: one round, not timed
+        await asyncio.gather(*(client.post("/v1/classify", json={"text": t["text"]}) for t in warm))
+        next_index, latencies, answers, statuses = 0, [], {}, {}
+        start = time.perf_counter()
+
+        async def one_client():
+            nonlocal next_index
+            while next_index < len(tickets) and time.perf_counter() - start < max_seconds:
+                ticket = tickets[next_index]
+                next_index += 1
+                sent = time.perf_counter()
+                body = {"text": ticket["text"], "id": ticket["id"]}
+                response = await client.post("/v1/classify", json=body)
+                latencies.append(time.perf_counter() - sent)
+                statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+                if response.status_code == 200:
+                    answers[ticket["id"]] = response.json()["results"][0]
+
+        await asyncio.gather(*(one_client() for _ in range(clients)))
+        seconds = time.perf_counter() - start
+        metrics = (await client.get("/metrics")).text
+    return {"seconds": seconds, "latencies": latencies, "answers": answers, "statuses": statuses,
+            "metrics": metrics}
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def metric_sum(text: str, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)
+
+
+def git_sha() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def main(argv=None) -> int:
+    import torch
+    import transformers
+
+    args = parse_args(argv)
+    tickets = load_tickets(args.n)
+    texts = [t["text"] for t in tickets]
+    before, offline_preds = (None, None) if args.skip_offline else measure_offline(args, texts)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server(args, port)
+    try:
+        wait_ready(url, proc)
+        load = asyncio.run(run_load(url, tickets, args.clients, args.max_seconds))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    offline = None
+    if before is not None:
+        after, _ = measure_offline(args, texts)
+        runs = [before["items_per_s"], after["items_per_s"]]
+        offline = {**before, "items_per_s": round(sum(runs) / 2, 3), "runs_items_per_s": runs}
+    done = len(load["answers"])
+    throughput = done / load["seconds"]
+    lat = load["latencies"]
+    mismatches = max_diff = None
+    if offline_preds is not None:
+        by_id = {t["id"]: p for t, p in zip(tickets, offline_preds, strict=True)}
+        mismatches = sum(by_id[i].label != a["label"] for i, a in load["answers"].items())
+        max_diff = max((abs(by_id[i].logprobs[k] - v) for i, a in load["answers"].items()
+                        for k, v in a["logprobs"].items()), default=0.0)
+    num_batches = metric_sum(load["metrics"], "slimroute_batch_items_count")
+    real = metric_sum(load["metrics"], "slimroute_real_tokens_total")
+    processed = metric_sum(load["metrics"], "slimroute_processed_tokens_total")
+    record = {
+        "benchmark": "load", "model": args.model, "dtype": args.dtype, "n": args.n, "clients": args.clients,
+        "batch_size": args.batch_size, "max_batch_tokens": args.max_batch_tokens, "max_padding": args.max_padding,
+        "max_gather_tokens": args.max_gather_tokens, "max_wait_ms": args.max_wait_ms,
+        "answered": done, "statuses": {str(k): v for k, v in load["statuses"].items()},
+        "server_items_per_s": round(throughput, 3), "seconds": round(load["seconds"], 2),
+        "p50_s": round(percentile(lat, 0.5), 3), "p95_s": round(percentile(lat, 0.95), 3),
+        "p99_s": round(percentile(lat, 0.99), 3),
+        "mean_batch_items": round((metric_sum(load["metrics"], "slimroute_batch_items_sum")) / num_batches, 2)
+        if num_batches else None,
+        "server_padding_overhead": round(1 - real / processed, 4) if processed else None,
+        "offline": offline, "label_mismatches_vs_offline": mismatches, "max_abs_logprob_diff": max_diff,
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": transformers.__version__},
+        "git_sha": git_sha(), "cpu_count": os.cpu_count(),
+    }
+    record["ratio_server_vs_offline"] = round(throughput / offline["items_per_s"], 3) if offline else None
+    print_table(record)
+    print(json.dumps(record))
+    if args.json:
+        args.json.write_text(json.dumps(record, indent=2))
+    return 0
+
+
+def print_table(r: dict) -> None:
+    rows = [("answered", f"{r['answered']} of {r['n']} ({r['statuses']})"),
+            ("server throughput", f"{r['server_items_per_s']:.2f} items/s ({r['clients']} clients)"),
+            ("latency p50 / p95 / p99", f"{r['p50_s']:.2f} / {r['p95_s']:.2f} / {r['p99_s']:.2f} s"),
+            ("mean batch", f"{r['mean_batch_items']} items, padding {r['server_padding_overhead']}")]
+    if r["offline"]:
+        runs = " / ".join(f"{x:.2f}" for x in r["offline"]["runs_items_per_s"])
+        rows.append(("offline engine.classify", f"{r['offline']['items_per_s']:.2f} items/s (before / after: {runs})"))
+        rows.append(("server / offline", f"{r['ratio_server_vs_offline']:.2f}"))
+    if r["label_mismatches_vs_offline"] is not None:
+        rows.append(("labels differing from offline", str(r["label_mismatches_vs_offline"])))
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""slimroute.client against a live server, the task file, and `slimroute serve` end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import httpx
+import pytest
+from test_server import LABELS, TEXTS, check_matches_offline, free_port, live_server, make_engine, wait_until
+from tiny import tiny_model
+from typer.testing import CliRunner
+
+from slimroute import cli
+from slimroute.client import RemoteClassifier, ServerError, ServerUnreachable
+from slimroute.data import Row
+from slimroute.engine import Engine
+from slimroute.jobs import classify_rows
+from slimroute.server import ServerSettings, create_app, load_task_set
+from slimroute.task import Task
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model("qwen2")
+
+
+@pytest.fixture(scope="module")
+def offline(tiny):
+    engine = Engine(*tiny, Task.from_labels(LABELS))
+    return dict(zip(TEXTS, engine.classify(TEXTS), strict=True))
+
+
+def as_dicts(predictions):
+    return [{"label": p.label, "logprobs": p.logprobs, "probs": p.probs, "truncated": p.truncated}
+            for p in predictions]
+
+
+def test_remote_classifier_matches_the_engine_in_order(tiny, offline):
+    app = create_app({"default": make_engine(tiny)}, ServerSettings(max_texts=5))
+    with live_server(app) as url, RemoteClassifier(url, chunk_size=64, concurrency=3) as clf:
+        done = []
+        predictions = clf.classify(TEXTS, progress=done.append)
+        assert clf.labels() == tuple(LABELS.split(","))
+    assert done == [5] * (len(TEXTS) // 5) + [len(TEXTS) % 5] * bool(len(TEXTS) % 5)  # capped by max_texts
+    check_matches_offline(TEXTS, as_dicts(predictions), offline)
+
+
+def test_classify_rows_through_the_server_isolates_bad_rows(tiny, offline):
+    app = create_app({"default": make_engine(tiny)}, ServerSettings(max_text_chars=500))
+    good = [t for t in TEXTS if len(t) < 500][:4]
+    rows = [Row(0, "a", good[0], None, None), Row(1, "b", None, None, "row 1: text is missing"),
+            Row(2, "c", good[1], None, None), Row(3, "d", "x" * 600, None, None),
+            Row(4, "e", good[2], None, None), Row(5, "f", good[3], None, None)]
+    with live_server(app) as url, RemoteClassifier(url, chunk_size=2) as clf:
+        predictions = classify_rows(clf, rows)
+    assert predictions[1].error == "row 1: text is missing"
+    assert "limit is 500 characters" in predictions[3].error
+    ok = [predictions[i] for i in (0, 2, 4, 5)]
+    check_matches_offline(good, as_dicts(ok), offline)
+
+
+def test_busy_server_is_retried_after_retry_after():
+    answers = iter([
+        httpx.Response(503, headers={"Retry-After": "0"}, json={"error": {"message": "busy"}}),
+        httpx.Response(503, headers={"Retry-After": "0"}, json={"error": {"message": "busy"}}),
+        httpx.Response(200, json={"results": [{"label": "a", "logprobs": {"a": -0.1, "b": -2.4}}]}),
+    ])
+    calls = []
+
+    def handler(request):
+        calls.append(request.url.path)
+        if request.url.path == "/v1/info":
+            return httpx.Response(200, json={"limits": {"max_texts": 10}, "default_task": "t", "tasks": []})
+        return next(answers)
+
+    client = httpx.Client(base_url="http://127.0.0.1:1", transport=httpx.MockTransport(handler))
+    clf = RemoteClassifier("http://127.0.0.1:1", task_name="t", client=client)
+    [prediction] = clf.classify(["hello"])
+    assert prediction.label == "a" and prediction.logprobs == {"a": -0.1, "b": -2.4}
+    assert calls.count("/v1/tasks/t/classify") == 3
+    clf.max_busy_retries = 0
+    answers = iter([httpx.Response(503, headers={"Retry-After": "0"}, json={"error": {"message": "busy"}})])
+    with pytest.raises(ServerError, match="503: busy"):
+        clf.classify(["hello"])
+
+
+def test_classify_with_server_writes_the_engines_answers(tiny, offline, tmp_path):
+    texts = TEXTS[:10]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"id": f"r{i}", "text": t}) + "\n" for i, t in enumerate(texts)))
+    with live_server(create_app({"default": make_engine(tiny)})) as url:
+        result = CliRunner().invoke(cli.app, ["classify", str(src), "--out", str(out), "--server", url])
+    assert result.exit_code == 0, result.output
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [w["id"] for w in written] == [f"r{i}" for i in range(len(texts))]
+    assert [w["label"] for w in written] == [offline[t].label for t in texts]
+
+
+def test_unreachable_server_is_a_usage_error():
+    clf = RemoteClassifier(f"http://127.0.0.1:{free_port()}", timeout=2)
+    with pytest.raises(ServerUnreachable, match="no slimroute server answers"):
+        clf.labels()
+    assert isinstance(ServerUnreachable("x"), ValueError)
+
+
+def test_task_file_with_several_tasks(tmp_path):
+    path = tmp_path / "tasks.yaml"
+    path.write_text(
+        "default: urgency\ntasks:\n"
+        "  tickets:\n    labels: [billing, technical]\n    examples:\n"
+        "      - {text: charged twice, label: billing}\n"
+        "  urgency:\n    labels: [low, high]\n    instructions: How urgent is it?\n"
+    )
+    tasks = load_task_set(path)
+    assert tasks.default == "urgency"
+    assert tasks.tasks["tickets"].examples[0].label == "billing"
+    assert tasks.tasks["urgency"].instructions == "How urgent is it?"
+    assert tasks.tasks["urgency"].name == "urgency"
+    single = tmp_path / "support.json"
+    single.write_text(json.dumps({"labels": ["a", "b"]}))
+    assert list(load_task_set(single).tasks) == ["support"]
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("tasks:\n  t: {labels: [a, a]}\n", "tasks.t: labels: label 'a' is given twice"),
+    ("tasks:\n  bad name: {labels: [a, b]}\n", "task name 'bad name'"),
+    ("default: x\ntasks:\n  t: {labels: [a, b]}\n", "default: task 'x' is not one of ['t']"),
+    ("tasks: {}\n", "non-empty mapping"),
+    ("tasks:\n  t: {labels: [a, b]}\nextra: 1\n", "unknown top-level field(s) ['extra']"),
+])
+def test_task_file_errors_name_the_field(tmp_path, text, message):
+    path = tmp_path / "tasks.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as info:
+        load_task_set(path)
+    assert message in str(info.value)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tiny):
+    folder = tmp_path_factory.mktemp("tiny-qwen2")
+    model, tokenizer = tiny
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_slimroute_serve_end_to_end(model_dir, offline):
+    port = free_port()
+    command = [sys.executable, "-m", "slimroute.cli", "serve", "--model", str(model_dir), "--labels", LABELS,
+               "--port", str(port), "--threads", "1", "--max-wait-ms", "2"]
+    proc = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _ready(url) or proc.poll() is not None, timeout=90)
+        assert proc.poll() is None, "slimroute serve exited early"
+        with RemoteClassifier(url, chunk_size=8) as clf:
+            predictions = clf.classify(TEXTS)
+        check_matches_offline(TEXTS, as_dicts(predictions), offline)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/ready", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
