@@ -47,7 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--max-batch-tokens", type=int, default=0, help="engine token budget (0: none)")
     p.add_argument("--max-padding", type=float, default=0.05, help="engine padding cap (0: none)")
     p.add_argument("--max-gather-tokens", type=int, default=8192, help="server gather cap (0: none)")
-    p.add_argument("--max-wait-ms", type=float, default=5.0)
+    p.add_argument("--max-wait-ms", type=float, default=50.0)
     p.add_argument("--max-seconds", type=float, default=900.0, help="cap on the load phase")
     p.add_argument("--skip-offline", action="store_true", help="only the server part")
     p.add_argument("--json", type=Path, default=None)

@@ -430,7 +430,7 @@ def serve(
         8192, "--max-gather-tokens", help="Item tokens gathered from the queue into one engine call (0: no cap)."
     ),
     decision: str = DECISION,
-    max_wait_ms: float = typer.Option(5.0, "--max-wait-ms", help="How long a batch waits for more requests."),
+    max_wait_ms: float = typer.Option(50.0, "--max-wait-ms", help="How long a batch waits for more requests."),
     max_queue: int = typer.Option(1024, "--max-queue", help="Texts waiting; beyond this: 503 + Retry-After."),
     max_texts: int = typer.Option(256, "--max-texts", help="Texts per request."),
     max_text_chars: int = typer.Option(20_000, "--max-text-chars", help="Characters per text."),

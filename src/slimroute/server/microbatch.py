@@ -24,7 +24,7 @@ from slimroute.labels import Prediction
 class BatchSettings:
     max_batch_items: int = 32  # texts gathered into one engine call (a larger request goes alone)
     max_gather_tokens: int | None = None  # item tokens gathered into one engine call
-    max_wait_ms: float = 5.0  # how long a batch stays open for more requests after its first one
+    max_wait_ms: float = 50.0  # how long a batch stays open for more requests after its first one
     max_queue_items: int = 1024  # texts waiting; beyond this submit() raises QueueFull
     max_text_tokens: int | None = 2048  # longer texts are refused (TextTooLong)
 
