@@ -107,6 +107,15 @@ def test_unreachable_server_is_a_usage_error():
     assert isinstance(ServerUnreachable("x"), ValueError)
 
 
+def test_classify_with_an_unreachable_server_exits_2_and_writes_nothing(tmp_path):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"id": "r0", "text": "refund please"}) + "\n")
+    url = f"http://127.0.0.1:{free_port()}"
+    result = CliRunner().invoke(cli.app, ["classify", str(src), "--out", str(out), "--server", url])
+    assert result.exit_code == 2 and "no slimroute server answers" in result.output
+    assert not out.exists()
+
+
 def test_task_file_with_several_tasks(tmp_path):
     path = tmp_path / "tasks.yaml"
     path.write_text(
