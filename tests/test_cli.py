@@ -6,21 +6,11 @@ import json
 
 import pytest
 from rich.console import Console
-from tiny import tiny_model
 from typer.testing import CliRunner
 
 from slimroute import cli
 
 LABELS = "billing,technical,account"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-qwen2")
-    model, tokenizer = tiny_model("qwen2")
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture

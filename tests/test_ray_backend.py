@@ -15,7 +15,6 @@ import pytest
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.data.context")  # Ray's own, on copy
 
-from tiny import tiny_model  # noqa: E402
 
 from slimroute.backends.ray import (  # noqa: E402
     SUMMARY_FILE,
@@ -53,16 +52,6 @@ def local_ray():
     yield
     context.wait_for_min_actors_s = -1
     ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """A tiny model saved as a Hugging Face folder: replicas load by path, like a real one."""
-    folder = tmp_path_factory.mktemp("tiny-qwen2")
-    model, tokenizer = tiny_model("qwen2")
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ import time
 import pytest
 from rich.console import Console
 from test_jobs import LABELS, SETTINGS, StubClassifier, run, tickets, write_jsonl
-from tiny import tiny_model
 from typer.testing import CliRunner
 
 from slimroute import cli
@@ -101,15 +100,6 @@ def test_half_written_window_is_dropped_on_resume(tmp_path, monkeypatch):
 
 
 # --------------------------------------------------------------------------- the real CLI
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-qwen2")
-    model, tokenizer = tiny_model("qwen2")
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 NUM_ROWS = 200  # 20 windows
