@@ -86,6 +86,7 @@ class LoadedModel:
     device: torch.device
     threads: int
     kernels: str = "default"
+    attention: str = "sdpa"
 
     @property
     def max_positions(self) -> int:
@@ -249,11 +250,14 @@ def load_model(
     threads: int | None = None,
     device: str = "cpu",
     kernels: str = "auto",
+    attention: str = "auto",
 ) -> LoadedModel:
-    """kernels: "auto" (oneDNN linear on CPU, measured faster), "onednn" or "default" (plain torch)."""
+    """kernels: "auto" (oneDNN linear on CPU, measured faster), "onednn" or "default" (plain torch).
+    attention: "auto" (eager for bf16 on CPU, which keeps bf16 batch-invariant; sdpa otherwise), "eager"
+    or "sdpa" (see kernels.pick_attention)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from slimroute.kernels import set_linear_kernels
+    from slimroute.kernels import set_attention, set_linear_kernels
 
     torch_dtype = parse_dtype(dtype)
     threads = configure_threads(threads)
@@ -265,4 +269,5 @@ def load_model(
         raise ModelNotFoundError(f"could not load model {spec!r}: {exc}\n{packaged_help()}") from exc
     model.to(device).eval()
     used = set_linear_kernels(model, kernels)
-    return LoadedModel(spec, model, tokenizer, torch_dtype, torch.device(device), threads, used)
+    attn = set_attention(model, attention)
+    return LoadedModel(spec, model, tokenizer, torch_dtype, torch.device(device), threads, used, attn)
