@@ -1,3 +1,5 @@
+import random
+
 import pytest
 import torch
 from tiny import tiny_model
@@ -5,8 +7,11 @@ from torch import nn
 
 from slimroute.config import EngineConfig
 from slimroute.engine import Engine
-from slimroute.kernels import OneDNNLinear, set_linear_kernels
+from slimroute.kernels import OneDNNLinear, pick_attention, set_attention, set_linear_kernels
+from slimroute.reference import ReferenceClassifier
 from slimroute.task import Task
+
+WORDS = "billing refund card app crash login password account plan upgrade error server please help".split()
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -39,3 +44,30 @@ def test_unknown_kernels_rejected():
     model, _ = tiny_model("llama")
     with pytest.raises(ValueError, match="kernels"):
         set_linear_kernels(model, "fast")
+
+
+def test_auto_attention_is_eager_only_for_bf16_on_cpu():
+    assert pick_attention("cpu", torch.bfloat16) == "eager"
+    assert pick_attention("cpu", torch.float32) == "sdpa"
+    assert pick_attention("cuda", torch.bfloat16) == "sdpa"
+    assert pick_attention("cpu", torch.bfloat16, "sdpa") == "sdpa"
+    with pytest.raises(ValueError, match="attention must be one of"):
+        pick_attention("cpu", torch.float32, "flash")
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_bf16_fast_path_is_batch_invariant_with_auto_attention(arch):
+    """bf16 with the CPU defaults (oneDNN linear, eager attention): the cached, padded, batched engine gives
+    the reference's log-probs to fp32 rounding of the normaliser, whatever the batch size."""
+    model, tok = tiny_model(arch, dtype=torch.bfloat16)
+    set_linear_kernels(model, "auto")
+    assert set_attention(model, "auto") == "eager"
+    rng = random.Random(0)
+    texts = [" ".join(rng.choice(WORDS) for _ in range(rng.choice([1, 5, 30, 120]))) for _ in range(40)]
+    task = Task(("Technical Support", "Technical Sales", "billing", "account"))
+    ref = ReferenceClassifier(model, tok, task).classify(texts)
+    for batch_size in (1, 7, 64):
+        fast = Engine(model, tok, task, EngineConfig(batch_size=batch_size)).classify(texts)
+        assert [p.label for p in fast] == [p.label for p in ref]
+        worst = max(abs(a.logprobs[k] - b.logprobs[k]) for a, b in zip(ref, fast, strict=True) for k in a.logprobs)
+        assert worst <= 1e-5, (batch_size, worst)

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import platform
 import subprocess
+import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -61,13 +64,18 @@ class Row:
 
 
 class PeakRSS:
-    """Peak resident memory of this process while the block runs (sampled every 10 ms)."""
+    """Peak resident memory of this process while the block runs. On Linux the kernel's high-water mark
+    is reset on entry (/proc/self/clear_refs) and read on exit (VmHWM), so a row's peak is its own, not an
+    earlier row's; elsewhere RSS is sampled every 10 ms."""
 
     def __enter__(self):
-        self.proc, self.peak, self._stop = psutil.Process(), 0, threading.Event()
+        self.proc, self._stop, self._thread = psutil.Process(), threading.Event(), None
         self.peak = self.proc.memory_info().rss
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
         return self
 
     def _sample(self):
@@ -76,8 +84,34 @@ class PeakRSS:
 
     def __exit__(self, *exc):
         self._stop.set()
-        self._thread.join()
+        if self._thread:
+            self._thread.join()
+        else:
+            status = Path("/proc/self/status").read_text()
+            self.peak = max(self.peak, int(next(line.split()[1] for line in status.splitlines()
+                                                if line.startswith("VmHWM:"))) * 1024)
         self.peak = max(self.peak, self.proc.memory_info().rss)
+
+
+def classify_process_rss(model: str, texts: list[str], threads, batch_size: int, max_batch_tokens) -> dict:
+    """Peak RSS of a fresh `slimroute classify` process (fp32, defaults) over the bench tickets: the fp32
+    engine's memory as a user runs it, without the bench's other rows in the same process."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src, out = Path(tmp) / "tickets.jsonl", Path(tmp) / "out.jsonl"
+        src.write_text("".join(json.dumps({"id": str(i), "text": t}) + "\n" for i, t in enumerate(texts)))
+        command = [sys.executable, "-m", "slimroute.cli", "classify", str(src), "--labels", ",".join(LABELS),
+                   "--model", model, "--out", str(out), "--dtype", "float32", "--batch-size", str(batch_size)]
+        command += ["--threads", str(threads)] if threads else []
+        command += ["--max-batch-tokens", str(max_batch_tokens)] if max_batch_tokens else []
+        start = time.perf_counter()
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        _, status, usage = os.wait4(proc.pid, 0)
+        seconds = time.perf_counter() - start
+        if os.waitstatus_to_exitcode(status) != 0:
+            raise RuntimeError(f"{' '.join(command)} failed: {proc.stderr.read().decode()[-2000:]}")
+        proc.stderr.close()
+    return {"command": "slimroute classify (fp32, defaults)", "items": len(texts),
+            "peak_rss_gb": usage.ru_maxrss * 1024 / 2**30, "wall_s_incl_load": seconds}
 
 
 class GenerateBaseline:
@@ -127,7 +161,9 @@ def run_row(name, dtype, classifier, texts, golds, reference=None, tokens=None) 
 
 
 def run_bench(n=600, batch_size=32, dtypes=("float32", "bfloat16"), model="qwen2.5-coder-0.5b", threads=None,
-              max_batch_tokens=None, quick=False, recheck_margin=0.5, log=print) -> dict:
+              max_batch_tokens=None, quick=False, recheck_margin=None, log=print) -> dict:
+    """recheck_margin: also run bf16 with the near-tie recheck (not needed on CPU: eager attention keeps
+    bf16 batch-invariant; see kernels.pick_attention)."""
     if quick:
         n = min(n, 100)
     tickets = synthetic_tickets(600, 0)[:n]
@@ -136,6 +172,7 @@ def run_bench(n=600, batch_size=32, dtypes=("float32", "bfloat16"), model="qwen2
     few_shot = Task(LABELS, examples=FEW_SHOT)
     all_on = EngineConfig(batch_size=batch_size, max_batch_tokens=max_batch_tokens)
     rechecked = EngineConfig(batch_size=batch_size, max_batch_tokens=max_batch_tokens, recheck_margin=recheck_margin)
+    attention: dict[str, str] = {}
     rows: list[Row] = []
     refs: dict[str, list[Prediction]] = {}
 
@@ -147,6 +184,7 @@ def run_bench(n=600, batch_size=32, dtypes=("float32", "bfloat16"), model="qwen2
     for dtype in dtypes:
         loaded = load_model(model, dtype, threads)
         m, tok, ctx = loaded.model, loaded.tokenizer, loaded.max_positions
+        attention[dtype] = loaded.attention
         if dtype == dtypes[0]:
             set_linear_kernels(m, "default")
             baseline = GenerateBaseline(m, tok, task)
@@ -171,20 +209,18 @@ def run_bench(n=600, batch_size=32, dtypes=("float32", "bfloat16"), model="qwen2
             add(run_row("all combined, default torch kernels", dtype, Engine(m, tok, task, all_on, ctx), texts,
                         golds, ref)[0])
             set_linear_kernels(m, loaded.kernels)
-        add(run_row(f"all combined ({loaded.kernels} kernels)", dtype, Engine(m, tok, task, all_on, ctx), texts,
-                    golds, ref)[0])
+        combined = f"all combined ({loaded.kernels} kernels, {loaded.attention} attention)"
+        add(run_row(combined, dtype, Engine(m, tok, task, all_on, ctx), texts, golds, ref)[0])
         refs[dtype] = ref
-        if dtype == "bfloat16":
+        if dtype == "bfloat16" and recheck_margin is not None:
             add(run_row(f"all combined + near-tie recheck (margin {recheck_margin})", dtype,
                         Engine(m, tok, task, rechecked, ctx), texts, golds, ref)[0])
         if dtype == dtypes[-1]:
             fs_ref_row, fs_ref = run_row("reference, few-shot", dtype,
                                          ReferenceClassifier(m, tok, few_shot, max_positions=ctx), texts, golds)
             add(fs_ref_row)
-            fs_config = rechecked if dtype == "bfloat16" else all_on
-            engine = Engine(m, tok, few_shot, fs_config, ctx)
-            suffix = " + recheck" if dtype == "bfloat16" else ""
-            row, _ = run_row(f"all combined, few-shot ({len(engine.prompt.prefix_ids)}-token prefix){suffix}", dtype,
+            engine = Engine(m, tok, few_shot, all_on, ctx)
+            row, _ = run_row(f"all combined, few-shot ({len(engine.prompt.prefix_ids)}-token prefix)", dtype,
                              engine, texts, golds, fs_ref)
             add(row)
         del loaded, m
@@ -198,8 +234,13 @@ def run_bench(n=600, batch_size=32, dtypes=("float32", "bfloat16"), model="qwen2
         drift.pop("disagreeing_ids")
         log(f"bf16 vs fp32 reference: label agreement {fmt_pct(drift['agreement'])}, "
             f"max |Δ log-prob| {drift['max_abs_logprob_diff']:.3f}")
+    fresh = None
+    if "float32" in dtypes:
+        fresh = classify_process_rss(model, texts, threads, batch_size, max_batch_tokens)
+        log(f"fp32 engine in a fresh `slimroute classify` process: peak RSS {fresh['peak_rss_gb']:.2f} GB")
     return {"machine": machine_info(threads), "n": n, "batch_size": batch_size, "model": model,
-            "recheck_margin": recheck_margin, "bf16_vs_fp32": drift,
+            "attention": attention, "recheck_margin": recheck_margin, "bf16_vs_fp32": drift,
+            "fp32_classify_process": fresh,
             "rows": [{**asdict(r), "items_per_s": r.items_per_s} for r in rows]}
 
 
@@ -243,7 +284,7 @@ def markdown(record: dict, command: str) -> str:
         f"torch {m['torch']}, git {m['git_sha']}, {m['date']}",
         "",
         "| row | dtype | seconds | items/s | speedup | padding | agreement | max \\|Δ log-prob\\| | accuracy "
-        "| peak RSS | tokens | rechecked |",
+        "| peak RSS (row) | tokens | rechecked |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     drift = record.get("bf16_vs_fp32")
@@ -256,6 +297,11 @@ def markdown(record: dict, command: str) -> str:
     if drift:
         lines += ["", f"bf16 reference vs fp32 reference: label agreement {fmt_pct(drift['agreement'])}, "
                       f"max |Δ log-prob| {drift['max_abs_logprob_diff']:.3f}"]
+    fresh = record.get("fp32_classify_process")
+    if fresh:
+        lines += ["", f"Peak RSS of a fresh `slimroute classify` process (fp32, defaults, the same {fresh['items']} "
+                      f"tickets, model load included): {fresh['peak_rss_gb']:.2f} GB. The per-row column is "
+                      "the bench process's own peak during that row (earlier rows' memory included)."]
     return "\n".join(lines) + "\n"
 
 

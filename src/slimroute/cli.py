@@ -335,13 +335,15 @@ def bench(
     quick: bool = typer.Option(False, "--quick", help="100 tickets, main rows only."),
     out: Path = typer.Option(Path("bench-results"), "--out", help="Folder for bench.json / bench.md / bench.png."),
     plot: bool = typer.Option(False, "--plot", help="Also write a PNG bar chart."),
+    recheck_margin: float = typer.Option(None, "--recheck-margin",
+                                         help="Also run bf16 with the near-tie recheck at this margin."),
 ):
     """Reproduce the seed experiment: baseline, reference, each technique alone, all combined."""
     from slimroute.bench import markdown, run_bench, write_outputs
 
     command = "slimroute " + " ".join(sys.argv[1:])
     try:
-        record = run_bench(n, batch_size, tuple(dtype), model, threads, max_batch_tokens, quick,
+        record = run_bench(n, batch_size, tuple(dtype), model, threads, max_batch_tokens, quick, recheck_margin,
                            log=lambda line: console.print(line, highlight=False))
     except (ValueError, ModelNotFoundError) as exc:
         fail(str(exc))
