@@ -233,3 +233,19 @@ def test_heap_does_not_grow_with_the_input(tmp_path):
     """Python heap peak for 20k rows within 10% of that for 2k (benchmarks/stream_memory.py: RSS, 100k)."""
     small, large = _stream(tmp_path, 2_000, 256, trace=True), _stream(tmp_path, 20_000, 256, trace=True)
     assert large < 1.1 * small, (small, large)
+
+
+def test_job_settings_name_the_server_so_resume_cannot_switch_servers():
+    from slimroute.config import EngineConfig
+    from slimroute.jobs import job_settings
+    from slimroute.task import Task
+
+    def settings(server=None, server_task=None):
+        return job_settings(task=Task(("a", "b")), config=EngineConfig(), model="m", dtype="float32", device="cpu",
+                            threads=1, reference=False, window=8, columns=("text", "id", None), limit=None,
+                            errors=None, server=server, server_task=server_task)
+
+    local, remote = settings(), settings("http://127.0.0.1:8000/", "tickets")
+    assert local["server"] is None and local["server_task"] is None
+    assert remote["server"] == "http://127.0.0.1:8000" and remote["server_task"] == "tickets"
+    assert settings("http://other:8000", "tickets") != remote

@@ -189,6 +189,7 @@ def classify(
             task=the_task, config=config, model=model, dtype=dtype, device=device,
             threads=threads or physical_cores(), reference=reference, window=job.window,
             columns=(text_column, id_column, label_column), limit=job.limit, errors=job.errors,
+            server=server, server_task=server_task,
         )
         output = DurableOutput.prepare(out, list(the_task.labels), input_fingerprint(input), settings,
                                        resume=job.resume, overwrite=job.overwrite, errors=job.errors)
