@@ -5,22 +5,18 @@ import random
 from conftest import _cached
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiny import make_text
 
 from slimroute.config import EngineConfig
 from slimroute.engine import Engine
 from slimroute.reference import ReferenceClassifier
 from slimroute.task import Example, Task
 
-WORDS = "billing refund card app crash login password account plan upgrade error server please help".split()
 LABEL_SETS = {
     "single": ("billing", "technical", "account"),
     "multi": ("Technical Support", "Technical Sales", "billing", "account"),
     "shared": ("plan", "plan upgrade", "plan cancel", "login"),
 }
-
-
-def make_text(rng: random.Random, num_words: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(num_words))
 
 
 def assert_equal(ref_preds, fast_preds, tol=1e-4):

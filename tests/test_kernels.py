@@ -2,7 +2,7 @@ import random
 
 import pytest
 import torch
-from tiny import tiny_model
+from tiny import make_text, tiny_model
 from torch import nn
 
 from slimroute.config import EngineConfig
@@ -10,8 +10,6 @@ from slimroute.engine import Engine
 from slimroute.kernels import OneDNNLinear, pick_attention, set_attention, set_linear_kernels
 from slimroute.reference import ReferenceClassifier
 from slimroute.task import Task
-
-WORDS = "billing refund card app crash login password account plan upgrade error server please help".split()
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -63,7 +61,7 @@ def test_bf16_fast_path_is_batch_invariant_with_auto_attention(arch):
     set_linear_kernels(model, "auto")
     assert set_attention(model, "auto") == "eager"
     rng = random.Random(0)
-    texts = [" ".join(rng.choice(WORDS) for _ in range(rng.choice([1, 5, 30, 120]))) for _ in range(40)]
+    texts = [make_text(rng, rng.choice([1, 5, 30, 120])) for _ in range(40)]
     task = Task(("Technical Support", "Technical Sales", "billing", "account"))
     ref = ReferenceClassifier(model, tok, task).classify(texts)
     for batch_size in (1, 7, 64):

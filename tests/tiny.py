@@ -69,3 +69,11 @@ def tiny_model(arch: str = "qwen2", seed: int = 0, dtype=torch.float32):
     else:
         raise ValueError(f"unknown tiny arch {arch!r}")
     return model.to(dtype).eval(), tok
+
+
+WORDS = "billing refund card app crash login password account plan upgrade error server please help".split()
+
+
+def make_text(rng, num_words: int) -> str:
+    """A ticket-like text of num_words words from the tiny tokenizer's vocabulary."""
+    return " ".join(rng.choice(WORDS) for _ in range(num_words))

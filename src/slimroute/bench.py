@@ -103,13 +103,14 @@ def classify_process_rss(model: str, texts: list[str], threads, batch_size: int,
                    "--model", model, "--out", str(out), "--dtype", "float32", "--batch-size", str(batch_size)]
         command += ["--threads", str(threads)] if threads else []
         command += ["--max-batch-tokens", str(max_batch_tokens)] if max_batch_tokens else []
+        log = Path(tmp) / "stderr.log"  # a file, not a pipe: a full pipe would block the child
         start = time.perf_counter()
-        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        _, status, usage = os.wait4(proc.pid, 0)
+        with log.open("wb") as err:
+            proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err)
+            _, status, usage = os.wait4(proc.pid, 0)
         seconds = time.perf_counter() - start
         if os.waitstatus_to_exitcode(status) != 0:
-            raise RuntimeError(f"{' '.join(command)} failed: {proc.stderr.read().decode()[-2000:]}")
-        proc.stderr.close()
+            raise RuntimeError(f"{' '.join(command)} failed: {log.read_text(errors='replace')[-2000:]}")
     return {"command": "slimroute classify (fp32, defaults)", "items": len(texts),
             "peak_rss_gb": usage.ru_maxrss * 1024 / 2**30, "wall_s_incl_load": seconds}
 
