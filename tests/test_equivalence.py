@@ -58,7 +58,7 @@ def test_one_token_item_and_very_long_item(tiny):
     model, tok = tiny
     task = Task(LABEL_SETS["multi"])
     texts = ["x", make_text(random.Random(1), 400), "refund"]
-    engine = Engine(model, tok, task, EngineConfig(batch_size=3, max_padding=None))
+    engine = Engine(model, tok, task, EngineConfig(batch_size=3, max_batch_tokens=None, max_padding=None))
     assert_equal(ReferenceClassifier(model, tok, task).classify(texts), engine.classify(texts))
     assert engine.last_stats.padding.overhead > 0.5  # one batch, padded to the long item
 

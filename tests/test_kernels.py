@@ -23,6 +23,30 @@ def test_onednn_linear_matches_nn_linear(dtype, tol):
     assert torch.equal(back(x), linear(x))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_weight_gives_the_plain_weights_bits_for_every_batch_shape(dtype):
+    """The weight reordered once into oneDNN's layout changes no bit, and each row's output does not depend on
+    how many other rows share the call (what keeps the batched engine equal to the one-at-a-time reference)."""
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 200).to(dtype)
+    x = torch.randn(300, 96, dtype=dtype)
+    packed, plain = OneDNNLinear(linear, pack=True), OneDNNLinear(linear, pack=False)
+    assert packed.packed and "weight" not in dict(packed.named_parameters())
+    whole = plain(x)
+    for rows in (1, 2, 7, 64, 300):
+        assert torch.equal(packed(x[:rows]), whole[:rows]), rows
+    assert torch.equal(packed.to_linear().weight, linear.weight)
+
+
+def test_output_head_stays_plain_and_readable():
+    model, _ = tiny_model("qwen2")
+    set_linear_kernels(model, "onednn")
+    assert not model.get_output_embeddings().packed  # the label scorer reads its rows
+    assert all(m.packed for m in model.model.modules() if isinstance(m, OneDNNLinear))
+    set_linear_kernels(model, "default")
+    assert type(model.get_output_embeddings()) is nn.Linear
+
+
 def test_swap_and_restore_keep_answers():
     model, tok = tiny_model("qwen2")
     task = Task(("billing", "technical", "account"))
@@ -65,7 +89,8 @@ def test_bf16_fast_path_is_batch_invariant_with_auto_attention(arch):
     task = Task(("Technical Support", "Technical Sales", "billing", "account"))
     ref = ReferenceClassifier(model, tok, task).classify(texts)
     for batch_size in (1, 7, 64):
-        fast = Engine(model, tok, task, EngineConfig(batch_size=batch_size)).classify(texts)
+        config = EngineConfig(batch_size=batch_size, max_batch_tokens=None)  # whole batches of 64, long items too
+        fast = Engine(model, tok, task, config).classify(texts)
         assert [p.label for p in fast] == [p.label for p in ref]
         worst = max(abs(a.logprobs[k] - b.logprobs[k]) for a, b in zip(ref, fast, strict=True) for k in a.logprobs)
         assert worst <= 1e-5, (batch_size, worst)

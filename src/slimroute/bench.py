@@ -102,7 +102,7 @@ def classify_process_rss(model: str, texts: list[str], threads, batch_size: int,
         command = [sys.executable, "-m", "slimroute.cli", "classify", str(src), "--labels", ",".join(LABELS),
                    "--model", model, "--out", str(out), "--dtype", "float32", "--batch-size", str(batch_size)]
         command += ["--threads", str(threads)] if threads else []
-        command += ["--max-batch-tokens", str(max_batch_tokens)] if max_batch_tokens else []
+        command += ["--max-batch-tokens", str(max_batch_tokens or 0)]
         log = Path(tmp) / "stderr.log"  # a file, not a pipe: a full pipe would block the child
         start = time.perf_counter()
         with log.open("wb") as err:
@@ -162,7 +162,7 @@ def run_row(name, dtype, classifier, texts, golds, reference=None, tokens=None) 
 
 
 def run_bench(n=600, batch_size=32, dtypes=("float32", "bfloat16"), model="qwen2.5-coder-0.5b", threads=None,
-              max_batch_tokens=None, quick=False, recheck_margin=None, log=print) -> dict:
+              max_batch_tokens=512, quick=False, recheck_margin=None, log=print) -> dict:
     """recheck_margin: also run bf16 with the near-tie recheck (not needed on CPU: eager attention keeps
     bf16 batch-invariant; see kernels.pick_attention)."""
     if quick:
@@ -171,8 +171,11 @@ def run_bench(n=600, batch_size=32, dtypes=("float32", "bfloat16"), model="qwen2
     texts, golds = [t["text"] for t in tickets], [t["label"] for t in tickets]
     task = Task(LABELS)
     few_shot = Task(LABELS, examples=FEW_SHOT)
+    max_batch_tokens = max_batch_tokens or None
     all_on = EngineConfig(batch_size=batch_size, max_batch_tokens=max_batch_tokens)
+    by_count = EngineConfig(batch_size=batch_size, max_batch_tokens=None)  # the issue's "batch 32" padding figure
     rechecked = EngineConfig(batch_size=batch_size, max_batch_tokens=max_batch_tokens, recheck_margin=recheck_margin)
+    batching = f"batch {batch_size}" + (f", {max_batch_tokens}-token budget" if max_batch_tokens else "")
     attention: dict[str, str] = {}
     rows: list[Row] = []
     refs: dict[str, list[Prediction]] = {}
@@ -200,18 +203,21 @@ def run_bench(n=600, batch_size=32, dtypes=("float32", "bfloat16"), model="qwen2
             for name, cfg in [
                 ("label scoring alone (batch 1, no cache)", EngineConfig(batch_size=1, prefix_cache=False, sort=False)),
                 ("prefix cache alone (batch 1)", EngineConfig(batch_size=1, sort=False)),
-                (f"batching alone (batch {batch_size}, unsorted)",
-                 EngineConfig(batch_size=batch_size, prefix_cache=False, sort=False, max_padding=None)),
+                (f"batching alone (batch {batch_size}, unsorted)", EngineConfig(
+                    batch_size=batch_size, max_batch_tokens=None, prefix_cache=False, sort=False, max_padding=None)),
                 (f"sorted batching alone (batch {batch_size})",
-                 EngineConfig(batch_size=batch_size, prefix_cache=False)),
+                 EngineConfig(batch_size=batch_size, max_batch_tokens=None, prefix_cache=False)),
             ]:
                 add(run_row(name, dtype, Engine(m, tok, task, cfg, ctx), texts, golds, ref)[0])
             set_linear_kernels(m, "default")
             add(run_row("all combined, default torch kernels", dtype, Engine(m, tok, task, all_on, ctx), texts,
                         golds, ref)[0])
             set_linear_kernels(m, loaded.kernels)
-        combined = f"all combined ({loaded.kernels} kernels, {loaded.attention} attention)"
+        combined = f"all combined ({batching}, {loaded.kernels} kernels, {loaded.attention} attention)"
         add(run_row(combined, dtype, Engine(m, tok, task, all_on, ctx), texts, golds, ref)[0])
+        if dtype == dtypes[-1] and max_batch_tokens and not quick:
+            add(run_row(f"all combined, batch {batch_size} without a token budget", dtype,
+                        Engine(m, tok, task, by_count, ctx), texts, golds, ref)[0])
         refs[dtype] = ref
         if dtype == "bfloat16" and recheck_margin is not None:
             add(run_row(f"all combined + near-tie recheck (margin {recheck_margin})", dtype,

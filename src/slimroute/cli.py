@@ -36,7 +36,8 @@ TEXT_COL = typer.Option("text", "--text-column")
 ID_COL = typer.Option("id", "--id-column")
 LABEL_COL = typer.Option(None, "--label-column", help="Gold-label column (default: 'label' when present).")
 BATCH = typer.Option(32, "--batch-size", "-b")
-MAX_TOKENS = typer.Option(None, "--max-batch-tokens", help="Token budget per batch instead of a fixed count.")
+MAX_TOKENS = typer.Option(512, "--max-batch-tokens",
+                          help="Padded item tokens per batch (items x longest); 0: batch by count only.")
 NO_PREFIX = typer.Option(False, "--no-prefix-cache", help="Run the whole prompt for every item.")
 NO_SORT = typer.Option(False, "--no-sort", help="Batch in input order instead of by length.")
 DECISION = typer.Option("greedy", "--decision", help="greedy or max-prob (see README).")
@@ -67,7 +68,7 @@ def build_task(labels, instructions, task_file):
 def engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort, decision, max_padding=0.05,
                   recheck_margin=None, dtype="float32") -> EngineConfig:
     return EngineConfig(
-        batch_size=batch_size, max_batch_tokens=max_batch_tokens, prefix_cache=not no_prefix_cache,
+        batch_size=batch_size, max_batch_tokens=max_batch_tokens or None, prefix_cache=not no_prefix_cache,
         sort=not no_sort, decision=decision, max_padding=max_padding or None, recheck_margin=recheck_margin or None,
     )
 

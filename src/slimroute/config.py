@@ -10,7 +10,10 @@ from slimroute.labels import DECISIONS
 @dataclass(frozen=True)
 class EngineConfig:
     batch_size: int = 32  # items per batch (upper bound when max_batch_tokens is set)
-    max_batch_tokens: int | None = None  # padded item tokens per batch (batch size x longest item)
+    # Padded item tokens per batch (items x longest item); None: batches by count only. On a 2-core CPU a
+    # budget keeps each batch's activations in cache: 600 tickets ran 12.2 items/s (bf16) at 512 vs 9.4 with
+    # plain batches of 32, whose long-tail batches hold 32 x 300+ tokens (measured with `slimroute bench`).
+    max_batch_tokens: int | None = 512
     max_padding: float | None = 0.05  # close a batch before its padded share would exceed this (sorted tail)
     prefix_cache: bool = True  # compute the shared prompt prefix once and reuse its keys/values
     sort: bool = True  # sort items by token length before batching
