@@ -44,8 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--n", type=int, default=300, help="tickets (at most 600)")
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--max-batch-tokens", type=int, default=0, help="engine token budget (0: none)")
-    p.add_argument("--max-padding", type=float, default=0.05, help="engine padding cap (0: none)")
+    p.add_argument("--max-batch-tokens", type=int, default=512, help="engine token budget (0: none)")
+    p.add_argument("--max-padding", type=float, default=0.0, help="engine padding cap (0: none)")
     p.add_argument("--max-gather-tokens", type=int, default=8192, help="server gather cap (0: none)")
     p.add_argument("--max-wait-ms", type=float, default=50.0)
     p.add_argument("--max-seconds", type=float, default=900.0, help="cap on the load phase")
@@ -97,8 +97,7 @@ def start_server(args, port: int) -> subprocess.Popen:
                "--max-gather-tokens", str(args.max_gather_tokens), "--max-wait-ms", str(args.max_wait_ms)]
     if args.threads:
         command += ["--threads", str(args.threads)]
-    if args.max_batch_tokens:
-        command += ["--max-batch-tokens", str(args.max_batch_tokens)]
+    command += ["--max-batch-tokens", str(args.max_batch_tokens)]
     return subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
@@ -122,7 +121,7 @@ async def run_load(url: str, tickets: list[dict], clients: int, max_seconds: flo
         warm = tickets[:clients]  # warm-up: one round, not timed
         await asyncio.gather(*(client.post("/v1/classify", json={"text": t["text"]}) for t in warm))
         next_index, latencies, answers, statuses = 0, [], {}, {}
-        start = time.perf_counter()
+        start, client_cpu = time.perf_counter(), time.process_time()
 
         async def one_client():
             nonlocal next_index
@@ -139,9 +138,10 @@ async def run_load(url: str, tickets: list[dict], clients: int, max_seconds: flo
 
         await asyncio.gather(*(one_client() for _ in range(clients)))
         seconds = time.perf_counter() - start
+        client_cpu = time.process_time() - client_cpu
         metrics = (await client.get("/metrics")).text
     return {"seconds": seconds, "latencies": latencies, "answers": answers, "statuses": statuses,
-            "metrics": metrics}
+            "metrics": metrics, "client_cpu_s": client_cpu}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -213,6 +213,9 @@ def main(argv=None) -> int:
         "mean_batch_items": round((metric_sum(load["metrics"], "slimroute_batch_items_sum")) / num_batches, 2)
         if num_batches else None,
         "server_padding_overhead": round(1 - real / processed, 4) if processed else None,
+        # engine time / wall time of the load phase (warm-up round included in the engine time)
+        "engine_busy": round(metric_sum(load["metrics"], "slimroute_batch_seconds_sum") / load["seconds"], 3),
+        "client_cpu_s": round(load["client_cpu_s"], 2),  # the load generator's own CPU time on this machine
         "offline": offline, "label_mismatches_vs_offline": mismatches, "max_abs_logprob_diff": max_diff,
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__},
@@ -230,7 +233,8 @@ def print_table(r: dict) -> None:
     rows = [("answered", f"{r['answered']} of {r['n']} ({r['statuses']})"),
             ("server throughput", f"{r['server_items_per_s']:.2f} items/s ({r['clients']} clients)"),
             ("latency p50 / p95 / p99", f"{r['p50_s']:.2f} / {r['p95_s']:.2f} / {r['p99_s']:.2f} s"),
-            ("mean batch", f"{r['mean_batch_items']} items, padding {r['server_padding_overhead']}")]
+            ("mean batch", f"{r['mean_batch_items']} items, padding {r['server_padding_overhead']}"),
+            ("engine busy / client CPU", f"{100 * r['engine_busy']:.0f}% of the wall time / {r['client_cpu_s']:.1f} s")]
     if r["offline"]:
         runs = " / ".join(f"{x:.2f}" for x in r["offline"]["runs_items_per_s"])
         rows.append(("offline engine.classify", f"{r['offline']['items_per_s']:.2f} items/s (before / after: {runs})"))

@@ -1,3 +1,5 @@
+import itertools
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -41,11 +43,50 @@ def test_sorting_cuts_padding():
     assert stats[True] < 0.05 < stats[False]
 
 
-def test_max_padding_splits_the_sparse_tail():
+def plan_cost(lengths, batches, overhead):
+    return sum(overhead + len(b) * max(lengths[i] for i in b) for b in batches)
+
+
+def cheapest_by_brute_force(lengths, batch_size, budget, max_padding, overhead):
+    """Every split of the sorted items into consecutive batches within the limits; the cheapest cost."""
+    sizes = sorted(lengths)
+    best = None
+    for cuts in itertools.product([False, True], repeat=len(sizes) - 1):
+        bounds = [0] + [k + 1 for k, cut in enumerate(cuts) if cut] + [len(sizes)]
+        groups = [sizes[a:b] for a, b in itertools.pairwise(bounds)]
+        ok = all(len(g) == 1 or (len(g) <= batch_size and (budget is None or len(g) * g[-1] <= budget)
+                                 and (max_padding is None or len(g) * g[-1] - sum(g) <= max_padding * len(g) * g[-1]))
+                 for g in groups)
+        if ok:
+            cost = sum(overhead + len(g) * g[-1] for g in groups)
+            best = cost if best is None else min(best, cost)
+    return best
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 300), min_size=1, max_size=9),
+    batch_size=st.integers(1, 9),
+    budget=st.one_of(st.none(), st.integers(1, 1500)),
+    max_padding=st.one_of(st.none(), st.floats(0, 0.5)),
+    overhead=st.integers(0, 200),
+)
+def test_sorted_plan_is_the_cheapest_split(lengths, batch_size, budget, max_padding, overhead):
+    batches = plan_batches(lengths, batch_size, budget, True, max_padding, overhead)
+    assert plan_cost(lengths, batches, overhead) == cheapest_by_brute_force(lengths, batch_size, budget,
+                                                                             max_padding, overhead)
+
+
+def test_the_sparse_tail_goes_alone_and_the_dense_body_fills_batches():
     lengths = [20] * 64 + [150, 300, 450]
-    batches = plan_batches(lengths, 32, max_padding=0.05)
-    assert [len(b) for b in batches] == [32, 32, 1, 1, 1]
-    assert [len(b) for b in plan_batches(lengths, 32)] == [32, 32, 3]
+    assert [len(b) for b in plan_batches(lengths, 32)] == [32, 32, 1, 1, 1]
+    # a pass that costs more than padding the tail: one batch for the three
+    assert [len(b) for b in plan_batches(lengths, 32, batch_overhead_tokens=1000)] == [32, 32, 3]
+    # a pass that costs nothing: no padding at all
+    stats = PaddingStats()
+    for b in plan_batches([3, 9, 3, 4, 9], 32, batch_overhead_tokens=0):
+        stats.add([[3, 9, 3, 4, 9][i] for i in b])
+    assert stats.padded_tokens == 0
 
 
 def test_pad_right():

@@ -34,21 +34,22 @@ def assert_equal(ref_preds, fast_preds, tol=1e-4):
     lengths=st.lists(st.one_of(st.integers(1, 12), st.integers(40, 160)), min_size=1, max_size=20),
     batch_size=st.integers(1, 64),
     budget=st.one_of(st.none(), st.integers(16, 600)),
+    overhead=st.sampled_from([0, 40, 10**6]),  # singletons, the default split, batches as full as the limits allow
     prefix_cache=st.booleans(),
     sort=st.booleans(),
     decision=st.sampled_from(["greedy", "max-prob"]),
     few_shot=st.booleans(),
     seed=st.integers(0, 1000),
 )
-def test_fast_path_equals_reference(arch, labels, lengths, batch_size, budget, prefix_cache, sort, decision,
+def test_fast_path_equals_reference(arch, labels, lengths, batch_size, budget, overhead, prefix_cache, sort, decision,
                                     few_shot, seed):
     model, tok = _cached(arch)
     rng = random.Random(seed)
     texts = [make_text(rng, n) for n in lengths]
     examples = (Example("refund my card", LABEL_SETS[labels][0]),) if few_shot else ()
     task = Task(LABEL_SETS[labels], examples=examples)
-    config = EngineConfig(batch_size=batch_size, max_batch_tokens=budget, prefix_cache=prefix_cache, sort=sort,
-                          decision=decision)
+    config = EngineConfig(batch_size=batch_size, max_batch_tokens=budget, batch_overhead_tokens=overhead,
+                          prefix_cache=prefix_cache, sort=sort, decision=decision)
     fast = Engine(model, tok, task, config).classify(texts)
     ref = ReferenceClassifier(model, tok, task, decision).classify(texts)
     assert_equal(ref, fast)
@@ -58,7 +59,8 @@ def test_one_token_item_and_very_long_item(tiny):
     model, tok = tiny
     task = Task(LABEL_SETS["multi"])
     texts = ["x", make_text(random.Random(1), 400), "refund"]
-    engine = Engine(model, tok, task, EngineConfig(batch_size=3, max_batch_tokens=None, max_padding=None))
+    one_batch = EngineConfig(batch_size=3, max_batch_tokens=None, batch_overhead_tokens=10**6)  # forces one batch
+    engine = Engine(model, tok, task, one_batch)
     assert_equal(ReferenceClassifier(model, tok, task).classify(texts), engine.classify(texts))
     assert engine.last_stats.padding.overhead > 0.5  # one batch, padded to the long item
 

@@ -22,6 +22,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from tiny import tiny_model
 
+from slimroute.config import EngineConfig
 from slimroute.data import synthetic_tickets
 from slimroute.engine import Engine
 from slimroute.server import BatchSettings, ServerSettings, create_app
@@ -60,7 +61,7 @@ class Probe:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def classify(self, texts, progress=None):
+    def classify(self, texts, progress=None, on_results=None):
         self.calls.append(list(texts))
         with contextlib.suppress(RuntimeError):
             asyncio.get_running_loop()
@@ -71,7 +72,7 @@ class Probe:
         time.sleep(self.delay)
         if self.fail_on and any(self.fail_on in t for t in texts):
             raise RuntimeError("simulated engine failure")
-        return self.engine.classify(texts, progress)
+        return self.engine.classify(texts, progress, on_results)
 
 
 @contextlib.contextmanager
@@ -197,6 +198,45 @@ def test_batches_keep_requests_whole_within_item_and_token_caps(tiny):
             match = [r for r in whole if tuple(call[pos : pos + len(r)]) == r]
             assert match, call
             pos += len(match[0])
+
+
+def test_a_request_is_answered_when_its_texts_are_done_not_when_the_whole_call_is(tiny, offline):
+    """A short ticket gathered with a long one gets its answer after its own engine batch, while the engine is
+    still on the long one, so its client can send the next ticket into the next call."""
+    engine = Engine(*tiny, Task.from_labels(LABELS), EngineConfig(batch_size=1))  # one text per engine batch
+    long_text, short_text = max(TEXTS, key=len), min(TEXTS, key=len)
+    release = threading.Event()
+
+    class HoldAfterFirstBatch(Probe):
+        def classify(self, texts, progress=None, on_results=None):
+            def forward(done):
+                on_results(done)
+                if len(self.calls) == 2 and not release.is_set():  # the gathered call: hold after batch one
+                    release.wait(20)
+            return super().classify(texts, progress, forward)
+
+    gate = threading.Event()
+    probe = HoldAfterFirstBatch(engine, gate=gate)
+    batcher = MicroBatcher({"default": probe}, BatchSettings(max_wait_ms=200))
+
+    async def scenario():
+        batcher.start()
+        held = batcher.submit("default", ["hold the worker"])
+        await asyncio.to_thread(probe.entered.wait, 10)
+        long_req, short_req = batcher.submit("default", [long_text]), batcher.submit("default", [short_text])
+        gate.set()
+        await held.future
+        short_result = await asyncio.wait_for(short_req.future, 20)
+        still_running = not long_req.future.done()
+        release.set()
+        return short_result, await long_req.future, still_running
+
+    short_result, long_result, still_running = asyncio.run(scenario())
+    batcher.close()
+    assert probe.calls[1] == [long_text, short_text]  # gathered into one engine call
+    assert still_running  # the short one was answered while the long one was still in the engine
+    assert short_result.predictions[0].label == offline[short_text].label
+    assert long_result.predictions[0].logprobs == pytest.approx(offline[long_text].logprobs, abs=1e-4)
 
 
 def test_several_named_tasks_in_one_process(tiny, offline):

@@ -13,19 +13,51 @@ def plan_batches(
     max_batch_tokens: int | None = None,
     sort: bool = True,
     max_padding: float | None = None,
+    batch_overhead_tokens: int = 40,
 ) -> list[list[int]]:
     """Group item indices into batches; each batch is padded to its longest item.
 
-    With `max_batch_tokens`, a batch grows while (items x longest item) stays within the budget;
-    an item longer than the budget forms a batch of its own. With `max_padding`, a batch is closed
-    before an item that would make its padded share exceed that fraction (this keeps the sparse
-    long tail from padding whole batches).
+    Limits on every batch: at most `batch_size` items; with `max_batch_tokens`, (items x longest item)
+    within the budget (an item longer than the budget goes alone); with `max_padding`, padded tokens at
+    most that share of the batch's tokens.
+
+    Sorted (the default): the cheapest split of the length-sorted items within the limits, where a batch
+    costs `batch_overhead_tokens` (the fixed cost of a forward pass: the weights stream through memory
+    once per batch) plus its padded tokens. So a long-tail item goes alone when padding its neighbours
+    would cost more than a pass of its own, and a handful of mixed lengths (a server's micro-batch) is
+    split only where it pays. Unsorted: batches fill in input order until a limit is hit.
     """
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i]) if sort else list(range(len(lengths)))
+    if not sort:
+        return _fill_in_order(lengths, batch_size, max_batch_tokens, max_padding)
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    sizes = [lengths[i] for i in order]
+    # cost[i]: cheapest plan of the i shortest items; first[i]: where its last batch starts (i.e. j)
+    cost, first = [0] + [0] * len(sizes), [0] * (len(sizes) + 1)
+    for i in range(1, len(sizes) + 1):
+        longest, real, best = sizes[i - 1], 0, None
+        for j in range(i - 1, max(i - batch_size, 0) - 1, -1):  # last batch = sizes[j:i]
+            count, real = i - j, real + sizes[j]
+            padded = count * longest
+            if count > 1 and max_batch_tokens is not None and padded > max_batch_tokens:
+                break
+            if count > 1 and max_padding is not None and padded - real > max_padding * padded:
+                break  # a shorter item only adds padding
+            total = cost[j] + batch_overhead_tokens + padded
+            if best is None or total < best:
+                best, first[i] = total, j
+        cost[i] = best
+    batches, i = [], len(sizes)
+    while i:
+        batches.append(order[first[i]:i])
+        i = first[i]
+    return batches[::-1]
+
+
+def _fill_in_order(lengths, batch_size, max_batch_tokens, max_padding) -> list[list[int]]:
     batches: list[list[int]] = []
     current: list[int] = []
     longest = real = 0
-    for i in order:
+    for i in range(len(lengths)):
         new_longest = max(longest, lengths[i])
         padded = new_longest * (len(current) + 1)
         too_many = len(current) >= batch_size

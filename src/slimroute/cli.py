@@ -42,7 +42,8 @@ NO_PREFIX = typer.Option(False, "--no-prefix-cache", help="Run the whole prompt 
 NO_SORT = typer.Option(False, "--no-sort", help="Batch in input order instead of by length.")
 DECISION = typer.Option("greedy", "--decision", help="greedy or max-prob (see README).")
 LIMIT = typer.Option(None, "--limit", help="Only the first N rows.")
-MAX_PADDING = typer.Option(0.05, "--max-padding", help="Close a batch before its padded share passes this.")
+MAX_PADDING = typer.Option(0.0, "--max-padding", help="Cap on a batch's padded share of tokens (0: none; "
+                                                        "batches are the cheapest split by default).")
 RECHECK = typer.Option(None, "--recheck-margin",
                        help="Re-decide near-ties (log-prob gap below this) on the exact path. "
                             "Off by default; 0.5 makes bf16 answers equal the bf16 reference (slower).")
@@ -65,7 +66,7 @@ def build_task(labels, instructions, task_file):
     return Task.from_labels(labels, instructions)
 
 
-def engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort, decision, max_padding=0.05,
+def engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort, decision, max_padding=0.0,
                   recheck_margin=None, dtype="float32") -> EngineConfig:
     return EngineConfig(
         batch_size=batch_size, max_batch_tokens=max_batch_tokens or None, prefix_cache=not no_prefix_cache,

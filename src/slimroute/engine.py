@@ -74,20 +74,22 @@ class Engine:
         return item_ids, [truncated for _, truncated in fitted]
 
     @torch.inference_mode()
-    def classify(self, texts: list[str], progress=None) -> list[Prediction]:
-        """Predictions in input order. Texts must be non-empty strings (see jobs.classify_rows)."""
+    def classify(self, texts: list[str], progress=None, on_results=None) -> list[Prediction]:
+        """Predictions in input order. Texts must be non-empty strings (see jobs.classify_rows).
+
+        progress(num_items) and on_results([(index, prediction), ...]) are called after each batch, so a
+        caller (the server) can hand out answers before the last batch is done."""
         start = time.perf_counter()
         run = EngineStats(num_items=len(texts))
         item_ids, truncated = self.encode(texts)
         results: list[Prediction | None] = [None] * len(texts)
         lengths = [len(ids) for ids in item_ids]
         cfg = self.config
-        for batch in plan_batches(lengths, cfg.batch_size, cfg.max_batch_tokens, cfg.sort, cfg.max_padding):
+        for batch in plan_batches(lengths, cfg.batch_size, cfg.max_batch_tokens, cfg.sort, cfg.max_padding,
+                                  cfg.batch_overhead_tokens):
             token_logprobs = self._score_batch([item_ids[i] for i in batch])
             run.padding.add([lengths[i] for i in batch])
             run.num_batches += 1
-            if progress:
-                progress(len(batch))
             for i, lps in zip(batch, token_logprobs, strict=True):
                 if cfg.recheck_margin is not None and decision_margin(cfg.decision, self.label_ids, lps) < (
                     cfg.recheck_margin
@@ -98,6 +100,10 @@ class Engine:
                 results[i] = make_prediction(
                     self.task.labels, self.label_ids, lps, cfg.decision, self._prompt_len(lengths[i]), truncated[i]
                 )
+            if progress:
+                progress(len(batch))
+            if on_results:
+                on_results([(i, results[i]) for i in batch])
         run.num_truncated = sum(truncated)
         run.seconds = time.perf_counter() - start
         self.last_stats = run

@@ -4,14 +4,18 @@
 oldest waiting request, keeps the batch open for up to `max_wait_ms` while more requests of the
 same task arrive (up to `max_batch_items` texts and `max_gather_tokens` item tokens), calls
 `engine.classify` once on all their texts (the engine sorts and buckets them by length), and
-hands each request its own slice of the answers through its asyncio future. A request is never
-split across engine calls, so one caller's texts cannot be mixed into another's answers.
+hands each request its own answers through its asyncio future as soon as the engine's batch that
+finishes its last text is done, so its client can send the next request while the engine still
+works on longer texts (those requests then fill the next call). A request is never split across
+engine calls, so one caller's texts cannot be mixed into another's answers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import math
+import sys
 import threading
 import time
 from collections import deque
@@ -95,6 +99,7 @@ class MicroBatcher:
     # ---------------------------------------------------------------- event-loop side
 
     def start(self) -> None:
+        share_the_main_malloc_arena()
         self._thread.start()
 
     @property
@@ -227,16 +232,32 @@ class MicroBatcher:
             return
         engine = self.engines[task]
         texts = [t for p in live for t in p.texts]
+        owner = [(p, k) for p in live for k in range(len(p.texts))]  # text index -> (request, its own index)
+        answers = {id(p): [None] * len(p.texts) for p in live}
+        left = {id(p): len(p.texts) for p in live}
         start = time.perf_counter()
+
+        def on_results(done: list[tuple[int, Prediction]]) -> None:
+            for i, prediction in done:
+                pending, k = owner[i]
+                answers[id(pending)][k] = prediction
+                left[id(pending)] -= 1
+                if not left[id(pending)]:  # its last text: answer it now
+                    seconds = time.perf_counter() - start
+                    result = BatchResult(answers[id(pending)], start - pending.submitted_at, seconds, len(texts),
+                                         len(live))
+                    _settle(pending, result)
+
         try:
-            predictions = engine.classify(texts)
+            engine.classify(texts, on_results=on_results)
         except Exception as exc:  # noqa: BLE001
             self._count_error(task, "engine")
+            unanswered = [p for p in live if left[id(p)]]
             if len(live) == 1:
                 failure = EngineFailed(f"the model failed on this batch: {type(exc).__name__}: {exc}")
                 _settle(live[0], error=failure)
             else:  # isolate the failing request(s); the others still get their answers
-                for pending in live:
+                for pending in unanswered:
                     self._execute(task, [pending])
             return
         seconds = time.perf_counter() - start
@@ -246,12 +267,6 @@ class MicroBatcher:
         if self.metrics is not None:
             stats = getattr(engine, "last_stats", None)
             self.metrics.observe_batch(task, len(texts), len(live), seconds, stats)
-        offset = 0
-        for pending in live:
-            answer = predictions[offset : offset + len(pending.texts)]
-            offset += len(pending.texts)
-            waited = start - pending.submitted_at
-            _settle(pending, BatchResult(answer, waited, seconds, len(texts), len(live)))
 
     def _count_error(self, task: str, kind: str) -> None:
         if self.metrics is not None:
@@ -260,6 +275,21 @@ class MicroBatcher:
     def _report_depth(self) -> None:
         if self.metrics is not None:
             self.metrics.queue_depth.set(self._num_queued)
+
+
+def share_the_main_malloc_arena() -> None:
+    """Let threads started from now on allocate from glibc's main arena (mallopt M_ARENA_MAX = 1).
+
+    In a thread of its own arena, the engine's large activation buffers are mapped fresh and faulted in
+    on every batch: measured 136k page faults and 10-15% lower throughput per 160 tickets than the same
+    engine on the main thread (6k faults with one arena, and no gap). Process-wide, so only the server,
+    whose engine runs in a worker thread, calls it; a no-op off glibc."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None).mallopt(ctypes.c_int(-8), ctypes.c_int(1))  # -8: M_ARENA_MAX
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        pass
 
 
 def _settle(pending: Pending, result: BatchResult | None = None, error: Exception | None = None) -> None:
