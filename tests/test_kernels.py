@@ -94,3 +94,18 @@ def test_bf16_fast_path_is_batch_invariant_with_auto_attention(arch):
         assert [p.label for p in fast] == [p.label for p in ref]
         worst = max(abs(a.logprobs[k] - b.logprobs[k]) for a, b in zip(ref, fast, strict=True) for k in a.logprobs)
         assert worst <= 1e-5, (batch_size, worst)
+
+
+def test_released_file_pages_read_back_from_the_file_and_anonymous_memory_is_left_alone(tmp_path):
+    from slimroute.kernels import FileMappedMemory
+
+    values = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB: many whole pages
+    path = tmp_path / "weights.bin"
+    path.write_bytes(values.numpy().tobytes())
+    mapped = torch.from_file(str(path), shared=False, size=values.numel(), dtype=torch.float32)
+    heap = values.clone()
+    memory = FileMappedMemory()  # reads the process's mappings: after the file is mapped
+    memory.release(mapped[1000:900_000])
+    memory.release(heap)  # not file-backed: must not be touched (dropping anonymous pages would zero them)
+    assert torch.equal(mapped, values)  # dropped pages come back from the file, the rest never left
+    assert torch.equal(heap, values)

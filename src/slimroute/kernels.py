@@ -5,6 +5,10 @@ in fp32 and about 1.2x faster in bf16. Weights are reordered once into oneDNN's 
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import sys
+
 import torch
 from torch import nn
 
@@ -58,13 +62,54 @@ def set_linear_kernels(model: nn.Module, kernels: str = "auto") -> str:
     if use and not onednn_available(param.device, param.dtype):
         raise ValueError(f"oneDNN kernels need a CPU model in float32 or bfloat16, got {param.device}/{param.dtype}")
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    mapped = FileMappedMemory() if use else None
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if use and type(child) is nn.Linear:
                 setattr(parent, name, OneDNNLinear(child, pack=child is not head))
+                if child is not head:
+                    mapped.release(child.weight)
             elif not use and isinstance(child, OneDNNLinear):
                 setattr(parent, name, child.to_linear())
     return "onednn" if use else "default"
+
+
+class FileMappedMemory:
+    """Hands back the pages of a weight that was read from a memory-mapped checkpoint once it has been packed.
+
+    transformers loads safetensors through mmap, so an fp32 weight is the file's own pages; packing reads
+    them, and they stay in the RSS as long as the mapping lives, which other tensors of the file (the
+    embeddings) keep alive: +1.4 GB for the 0.5B model in fp32 (a 4.1 GB peak instead of 2.7 GB).
+    madvise(MADV_DONTNEED) drops the clean pages; they would be read from the file again if anything
+    touched them, and nothing does: the packed copy replaced the weight. Weights in anonymous memory
+    (converted to bf16 at load, say) are left alone: they are freed with the module."""
+
+    MADV_DONTNEED = 4
+
+    def __init__(self):
+        self.ranges: list[tuple[int, int]] = []
+        self.libc = None
+        if sys.platform.startswith("linux"):
+            try:
+                self.libc = ctypes.CDLL(None, use_errno=True)
+                with open("/proc/self/maps") as maps:
+                    for line in maps:
+                        fields = line.split(maxsplit=5)
+                        if len(fields) == 6 and fields[5].startswith("/"):  # a file, not heap / anon / [vdso]
+                            start, end = (int(x, 16) for x in fields[0].split("-"))
+                            self.ranges.append((start, end))
+            except OSError:
+                self.libc = None
+
+    def release(self, weight: torch.Tensor) -> None:
+        if self.libc is None or weight.device.type != "cpu":
+            return
+        start, size, page = weight.data_ptr(), weight.numel() * weight.element_size(), mmap.PAGESIZE
+        if not any(lo <= start and start + size <= hi for lo, hi in self.ranges):
+            return
+        first, last = -(-start // page) * page, (start + size) // page * page  # whole pages inside the weight
+        if last > first:
+            self.libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), self.MADV_DONTNEED)
 
 
 def pick_attention(device: torch.device | str, dtype: torch.dtype, attention: str = "auto") -> str:
