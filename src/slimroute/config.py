@@ -11,8 +11,8 @@ from slimroute.labels import DECISIONS
 class EngineConfig:
     batch_size: int = 32  # items per batch (upper bound when max_batch_tokens is set)
     # Padded item tokens per batch (items x longest item); None: batches by count only. On a 2-core CPU a
-    # budget keeps each batch's activations in cache: 600 tickets ran 12.2 items/s (bf16) at 512 vs 9.4 with
-    # plain batches of 32, whose long-tail batches hold 32 x 300+ tokens (measured with `slimroute bench`).
+    # budget keeps each batch's activations in cache (600 tickets, bf16: 13.9 items/s at 512 vs 13.5 without,
+    # `slimroute bench`; 12.2 vs 9.4 when greedy batches of 32 still held 32 x 300+ tokens of long tail).
     max_batch_tokens: int | None = 512
     max_padding: float | None = None  # optional hard cap on a batch's padded share of tokens
     # The fixed cost of one forward pass in item tokens (streaming the weights once); sorted batches are the
