@@ -1,7 +1,8 @@
 """Peak RSS of `slimroute classify` on small and large inputs: streaming keeps memory flat.
 
 Each size runs the real CLI in its own process on a tiny random model (tests/tiny.py), and the
-process's peak RSS comes from the kernel (wait4 rusage). Prints one JSON record per run and a table.
+process's peak RSS comes from the kernel (its VmHWM, read while it runs: wait4's ru_maxrss would
+start at this parent's own peak, which holds torch and the tiny model too). Prints one JSON record per run and a table.
 
     flock /tmp/slimroute-heavy.lock python benchmarks/stream_memory.py --rows 5000 100000
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psutil
 
+from slimroute.bench import peak_rss_bytes
 from slimroute.output import progress_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,20 +56,19 @@ def run_one(src: Path, model: Path, out: Path, window: int, threads: int, cli_ar
     start = time.perf_counter()
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     samples = []  # (rows committed, RSS MiB) twice a second: flat after the first windows
-    while True:
-        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-        if pid:
-            break
+    peak = 0
+    while proc.poll() is None:
+        peak = max(peak, peak_rss_bytes(proc.pid))
         with contextlib.suppress(psutil.Error, OSError, ValueError, KeyError):
             rss = psutil.Process(proc.pid).memory_info().rss / 2**20
             samples.append((json.loads(progress_path(out).read_text())["rows_done"], round(rss, 1)))
         time.sleep(0.5)
     seconds = time.perf_counter() - start
-    if os.waitstatus_to_exitcode(status) != 0:
+    if proc.returncode != 0:
         raise SystemExit(f"classify failed: {' '.join(command)}")
     summary = json.loads(out.with_suffix(".summary.json").read_text())
     halfway = [rss for rows, rss in samples if rows >= summary["items"] // 2]
-    return {"rows": summary["items"], "peak_rss_mib": round(usage.ru_maxrss / 1024, 1),
+    return {"rows": summary["items"], "peak_rss_mib": round(peak / 2**20, 1),
             "rss_mib_at_half": halfway[0] if halfway else None,
             "rss_mib_last": samples[-1][1] if samples else None,
             "wall_s": round(seconds, 1), "items_per_s": summary["items_per_s"], "window": window,

@@ -86,7 +86,7 @@ class PeakRSS:
         if self._thread:
             self._thread.join()
         else:
-            self.peak = max(self.peak, _vm_hwm("self"))
+            self.peak = max(self.peak, peak_rss_bytes("self"))
         self.peak = max(self.peak, self.proc.memory_info().rss)
 
 
@@ -108,7 +108,7 @@ def classify_process_rss(model: str, texts: list[str], threads, batch_size: int,
             # starts a forked child's maxrss at the parent's peak (this bench process's, several GB).
             peak = 0
             while proc.poll() is None:
-                peak = max(peak, _vm_hwm(proc.pid))
+                peak = max(peak, peak_rss_bytes(proc.pid))
                 time.sleep(0.05)
         seconds = time.perf_counter() - start
         if proc.returncode != 0:
@@ -117,7 +117,7 @@ def classify_process_rss(model: str, texts: list[str], threads, batch_size: int,
             "peak_rss_gb": peak / 2**30, "wall_s_incl_load": seconds}
 
 
-def _vm_hwm(pid: int | str) -> int:
+def peak_rss_bytes(pid: int | str) -> int:
     """Peak resident bytes of a running process (0 when it cannot be read)."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
