@@ -31,8 +31,8 @@ def plan_batches(
         return _fill_in_order(lengths, batch_size, max_batch_tokens, max_padding)
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     sizes = [lengths[i] for i in order]
-    # cost[i]: cheapest plan of the i shortest items; first[i]: where its last batch starts (i.e. j)
-    cost, first = [0] + [0] * len(sizes), [0] * (len(sizes) + 1)
+    # cost[i]: the cheapest plan of the i shortest items; first[i]: where that plan's last batch starts
+    cost, first = [0] * (len(sizes) + 1), [0] * (len(sizes) + 1)
     for i in range(1, len(sizes) + 1):
         longest, real, best = sizes[i - 1], 0, None
         for j in range(i - 1, max(i - batch_size, 0) - 1, -1):  # last batch = sizes[j:i]

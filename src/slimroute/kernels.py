@@ -66,8 +66,9 @@ def set_linear_kernels(model: nn.Module, kernels: str = "auto") -> str:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if use and type(child) is nn.Linear:
-                setattr(parent, name, OneDNNLinear(child, pack=child is not head))
-                if child is not head:
+                pack = child is not head
+                setattr(parent, name, OneDNNLinear(child, pack=pack))
+                if pack:
                     mapped.release(child.weight)
             elif not use and isinstance(child, OneDNNLinear):
                 setattr(parent, name, child.to_linear())
