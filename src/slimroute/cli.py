@@ -26,7 +26,8 @@ app.add_typer(models_app, name="models")
 console = Console(stderr=True)
 
 MODEL = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Packaged name, HF repo id, model folder or .gguf file.")
-DTYPE = typer.Option("float32", "--dtype", help="float32 or bfloat16.")
+DTYPE = typer.Option("auto", "--dtype", help="auto (from the CPU: bfloat16 with native BF16, else int8 on AVX2, "
+                                             "else float32), float32, bfloat16 or int8.")
 THREADS = typer.Option(None, "--threads", help="Torch threads (default: physical cores).")
 DEVICE = typer.Option("cpu", "--device", help="cpu or cuda.")
 LABELS = typer.Option(None, "--labels", "-l", help="Comma-separated labels, e.g. billing,technical,account.")
@@ -74,11 +75,21 @@ def engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort, decisi
     )
 
 
+def resolve_dtype(dtype: str, device: str):
+    """--dtype -> cpu.DtypeChoice; a dtype this CPU cannot run raises UnsupportedDtypeError (exit 2)."""
+    from slimroute.cpu import choose_dtype
+
+    return choose_dtype(dtype, device=device)
+
+
 def load(model, dtype, threads, device):
     from slimroute.models import load_model
 
-    with console.status(f"loading {model} ({dtype})"):
-        return load_model(model, dtype, threads, device)
+    choice = resolve_dtype(dtype, device)
+    with console.status(f"loading {model} ({choice})"):
+        loaded = load_model(model, choice.name, threads, device)
+    loaded.precision_reason = choice.reason
+    return loaded
 
 
 def read_input(path, text_column, id_column, label_column, limit):
@@ -113,6 +124,8 @@ def run_with_progress(classifier, rows, label="classify"):
 def print_summary(summary) -> None:
     table = Table(title="summary", show_header=False)
     table.add_row("items", str(summary.num_items))
+    if summary.dtype:
+        table.add_row("dtype", summary.dtype)
     if summary.num_resumed:
         table.add_row("resumed after", f"{summary.num_resumed} (done by the interrupted run)")
     table.add_row("seconds", f"{summary.seconds:.2f}")
@@ -187,8 +200,9 @@ def classify(
                                recheck_margin, dtype)
         job = JobConfig(window, limit, resume, overwrite, errors)
         rows = iter_rows(input, text_column, id_column, label_column)
+        choice = None if server else resolve_dtype(dtype, device)
         settings = job_settings(
-            task=the_task, config=config, model=model, dtype=dtype, device=device,
+            task=the_task, config=config, model=model, dtype=choice.name if choice else dtype, device=device,
             threads=threads or physical_cores(), reference=reference, window=job.window,
             columns=(text_column, id_column, label_column), limit=job.limit, errors=job.errors,
             server=server, server_task=server_task,
@@ -207,6 +221,7 @@ def classify(
     if total is not None and job.limit:
         total = min(total, job.limit)
     summary = JobSummary.from_state(list(the_task.labels), output.record.summary)
+    summary.dtype = str(choice) if choice else None
     if output.resuming:
         console.print(f"resuming: {output.record.rows_done} rows ({output.record.windows_done} windows) "
                       f"are already committed to {out}")
@@ -316,9 +331,10 @@ def verify(
     ref_preds, ref_s = run_with_progress(ref, rows, "reference")
     fast_preds, fast_s = run_with_progress(fast, rows, "fast path")
     result = compare([r.id for r in rows], ref_preds, fast_preds)
-    record = {**result.to_dict(), "reference_s": ref_s, "fast_s": fast_s, "dtype": dtype, "model": model,
-              "padding_overhead": fast.stats.padding.overhead}
+    record = {**result.to_dict(), "reference_s": ref_s, "fast_s": fast_s, "dtype": loaded.precision,
+              "dtype_reason": loaded.precision_reason, "model": model, "padding_overhead": fast.stats.padding.overhead}
     console.print(
+        f"dtype {loaded.precision} ({loaded.precision_reason}): "
         f"label agreement {100 * result.agreement:.2f}% ({result.num_agree}/{result.num_items}), "
         f"max |Δ log-prob| {result.max_abs_logprob_diff:.2e}; reference {ref_s:.1f}s, fast {fast_s:.1f}s "
         f"({ref_s / max(fast_s, 1e-9):.1f}x)"
@@ -463,10 +479,11 @@ def serve(
                                 max_queue_items=max_queue, max_text_tokens=max_text_tokens or None),
             max_texts=max_texts, max_text_chars=max_text_chars, max_body_bytes=max_body_bytes,
         )
+        choice = resolve_dtype(dtype, device)
     except ValueError as exc:
         fail(str(exc))
     names = ", ".join(task_set.tasks)
-    console.print(f"serving {names} on http://{host}:{port} (docs: /docs), loading {model}")
+    console.print(f"serving {names} on http://{host}:{port} (docs: /docs), loading {model} ({choice})")
     raise typer.Exit(run_server(task_set, model, dtype, threads, device, config, settings, host, port,
                                 access_log=access_log))
 

@@ -112,6 +112,7 @@ class JobSummary:
     confusion: Counter = field(default_factory=Counter)  # (gold, predicted) -> count
     padding_overhead: float | None = None
     num_resumed: int = 0  # rows committed by earlier, interrupted runs of the same job
+    dtype: str | None = None  # what --dtype resolved to and why, e.g. "int8 (AVX2 without native BF16)"
 
     @property
     def items_per_s(self) -> float:
@@ -153,6 +154,7 @@ class JobSummary:
     def to_dict(self) -> dict:
         return {
             "items": self.num_items,
+            "dtype": self.dtype,
             "errors": self.num_errors,
             "truncated": self.num_truncated,
             "resumed": self.num_resumed,

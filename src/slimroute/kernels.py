@@ -6,14 +6,17 @@ in fp32 and about 1.2x faster in bf16. Weights are reordered once into oneDNN's 
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import sys
 
 import torch
 from torch import nn
 
+log = logging.getLogger(__name__)
+
 KERNELS = ("auto", "onednn", "default")
-ATTENTION = ("auto", "eager", "sdpa")
+ATTENTION = ("auto", "eager", "sdpa", "invariant")
 PACK_BATCH_HINT = 512  # rows per GEMM the blocked layout is chosen for (a batch's padded tokens)
 
 
@@ -54,13 +57,24 @@ def onednn_available(device: torch.device | str, dtype: torch.dtype) -> bool:
 
 
 def set_linear_kernels(model: nn.Module, kernels: str = "auto") -> str:
-    """Swap every nn.Linear for oneDNN (or back); returns the kernels in use."""
+    """Swap every nn.Linear for oneDNN (or back); returns the kernels in use.
+
+    "auto" first tries oneDNN on one small layer of the model's dtype: where its op is missing or raises (another
+    build of torch, an ARM CPU, bf16 on a CPU oneDNN's bf16 path refuses) the model keeps torch's default kernels
+    and a one-line note says why."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
     param = next(model.parameters())
     use = kernels == "onednn" or (kernels == "auto" and onednn_available(param.device, param.dtype))
     if use and not onednn_available(param.device, param.dtype):
         raise ValueError(f"oneDNN kernels need a CPU model in float32 or bfloat16, got {param.device}/{param.dtype}")
+    if use:
+        failure = onednn_failure(param.dtype)
+        if failure and kernels == "onednn":
+            raise ValueError(f"oneDNN kernels do not work here: {failure}")
+        if failure:
+            log.warning("oneDNN linear kernels unavailable here (%s); using torch's default kernels", failure)
+            use = False
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     mapped = FileMappedMemory() if use else None
     for parent in list(model.modules()):
@@ -73,6 +87,16 @@ def set_linear_kernels(model: nn.Module, kernels: str = "auto") -> str:
             elif not use and isinstance(child, OneDNNLinear):
                 setattr(parent, name, child.to_linear())
     return "onednn" if use else "default"
+
+
+def onednn_failure(dtype: torch.dtype) -> str | None:
+    """Why oneDNN's packed linear does not run here in this dtype (None: it does); tried on a small layer."""
+    try:
+        probe = OneDNNLinear(nn.Linear(16, 8).to(dtype), pack=True)
+        probe(torch.ones(2, 16, dtype=dtype))
+    except (RuntimeError, AttributeError, NotImplementedError) as exc:  # AttributeError: the op is missing
+        return str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+    return None
 
 
 class FileMappedMemory:
@@ -113,25 +137,37 @@ class FileMappedMemory:
             self.libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), self.MADV_DONTNEED)
 
 
-def pick_attention(device: torch.device | str, dtype: torch.dtype, attention: str = "auto") -> str:
-    """"auto": eager attention for bf16 on CPU, else sdpa.
+def pick_attention(device: torch.device | str, dtype: torch.dtype, attention: str = "auto", int8: bool = False) -> str:
+    """"auto": the batch-invariant kernel (attention.py) for int8, eager for bf16 on CPU, else sdpa.
 
     Why: bf16 results must not depend on the batch. Its GEMMs (oneDNN, fp32 accumulation) give each row
     the same bits whatever the other rows, but SDPA's CPU flash kernel picks its block sizes from the
     sequence lengths, so a cached prefix or a padded batch rounds differently from the one-at-a-time
     prompt (measured: 1-4% of labels flipped, max |Δ log-prob| 0.2). Eager attention (bf16 matmuls, fp32
     softmax; padded keys add exact zeros) made the fast path bit-identical to the reference on the 600
-    tickets. fp32 differences are ~1e-5 either way, so fp32 keeps the kernel that measured faster."""
+    tickets. int8 needs more: every fp32 op must give the same bits, or a row quantises differently; eager's
+    matmuls still follow the padded shapes on AVX2, the invariant kernel does not. fp32 differences are ~1e-5
+    either way, so fp32 keeps the kernel that measured faster."""
     if attention not in ATTENTION:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
     if attention != "auto":
         return attention
+    if int8:
+        return "invariant"
     return "eager" if torch.device(device).type == "cpu" and dtype == torch.bfloat16 else "sdpa"
 
 
 def set_attention(model: nn.Module, attention: str = "auto") -> str:
     """Set the attention implementation (the reference and the engine share it); returns the one in use."""
+    from slimroute.int8 import Int8Linear
+
     param = next(model.parameters())
-    used = pick_attention(param.device, param.dtype, attention)
-    model.set_attn_implementation(used)
+    int8 = any(isinstance(m, Int8Linear) for m in model.modules())
+    used = pick_attention(param.device, param.dtype, attention, int8)
+    if used == "invariant":
+        from slimroute.attention import register
+
+        model.set_attn_implementation(register())
+    else:
+        model.set_attn_implementation(used)
     return used

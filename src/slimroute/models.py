@@ -21,7 +21,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+# The torch dtype each --dtype loads the checkpoint in (int8 loads fp32, then quantises the linear layers).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -82,11 +83,13 @@ class LoadedModel:
     name: str
     model: torch.nn.Module
     tokenizer: object
-    dtype: torch.dtype
+    dtype: torch.dtype  # of the model's parameters (float32 for int8: embeddings, norms and head stay fp32)
     device: torch.device
     threads: int
     kernels: str = "default"
     attention: str = "sdpa"
+    precision: str = "float32"  # float32, bfloat16 or int8: what --dtype resolved to
+    precision_reason: str = "requested"  # why (e.g. "AVX2 without native BF16" for --dtype auto)
 
     @property
     def max_positions(self) -> int:
@@ -102,10 +105,14 @@ def physical_cores() -> int:
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """The torch dtype a --dtype name loads the checkpoint in ("auto" must be resolved first: cpu.choose_dtype)."""
     if isinstance(name, torch.dtype):
         return name
-    if name not in DTYPES:
-        raise ValueError(f"dtype {name!r} is not supported; use one of float32, bfloat16")
+    from slimroute.cpu import normalise
+
+    name = normalise(name)
+    if name == "auto":
+        raise ValueError("dtype 'auto' must be resolved with slimroute.cpu.choose_dtype first")
     return DTYPES[name]
 
 
@@ -246,20 +253,26 @@ def configure_threads(threads: int | None) -> int:
 
 def load_model(
     spec: str = DEFAULT_MODEL,
-    dtype: str | torch.dtype = "float32",
+    dtype: str | torch.dtype = "auto",
     threads: int | None = None,
     device: str = "cpu",
     kernels: str = "auto",
     attention: str = "auto",
 ) -> LoadedModel:
-    """kernels: "auto" (oneDNN linear on CPU, measured faster), "onednn" or "default" (plain torch).
-    attention: "auto" (eager for bf16 on CPU, which keeps bf16 batch-invariant; sdpa otherwise), "eager"
-    or "sdpa" (see kernels.pick_attention)."""
+    """dtype: "auto" (the fastest batch-invariant dtype for this CPU, see cpu.py), "float32", "bfloat16" or "int8"
+    (int8.py); a dtype the CPU cannot run raises cpu.UnsupportedDtypeError naming the missing feature.
+    kernels: "auto" (oneDNN linear on CPU when it works here, measured faster), "onednn" or "default" (plain torch).
+    attention: "auto" (eager for bf16 on CPU, the batch-invariant kernel for int8, sdpa otherwise), "eager", "sdpa"
+    or "invariant" (see kernels.pick_attention)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from slimroute.cpu import choose_dtype
     from slimroute.kernels import set_attention, set_linear_kernels
 
-    torch_dtype = parse_dtype(dtype)
+    if isinstance(dtype, torch.dtype):
+        dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(dtype, str(dtype))
+    choice = choose_dtype(dtype, device=device)
+    torch_dtype = DTYPES[choice.name]
     threads = configure_threads(threads)
     source = resolve(spec)
     try:
@@ -268,6 +281,13 @@ def load_model(
     except OSError as exc:
         raise ModelNotFoundError(f"could not load model {spec!r}: {exc}\n{packaged_help()}") from exc
     model.to(device).eval()
-    used = set_linear_kernels(model, kernels)
+    if choice.name == "int8":
+        from slimroute.int8 import int8_cache_file, quantize_model
+
+        quantize_model(model, int8_cache_file(source))
+        used = "int8 (fbgemm)"
+    else:
+        used = set_linear_kernels(model, kernels)
     attn = set_attention(model, attention)
-    return LoadedModel(spec, model, tokenizer, torch_dtype, torch.device(device), threads, used, attn)
+    return LoadedModel(spec, model, tokenizer, torch_dtype, torch.device(device), threads, used, attn,
+                       choice.name, choice.reason)

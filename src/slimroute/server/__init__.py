@@ -20,21 +20,26 @@ log = logging.getLogger(__name__)
 
 
 def serve(
-    task_set: TaskSet, model: str, dtype: str = "float32", threads: int | None = None, device: str = "cpu",
+    task_set: TaskSet, model: str, dtype: str = "auto", threads: int | None = None, device: str = "cpu",
     config: EngineConfig | None = None, settings: ServerSettings | None = None,
     host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", access_log: bool = False,
 ) -> int:
     """Load the model in the background (GET /ready turns 200 when done), serve until SIGTERM/SIGINT,
-    finish what was accepted, and return the exit code (1 if the model failed to load)."""
+    finish what was accepted, and return the exit code (1 if the model failed to load).
+    A dtype this CPU cannot run raises cpu.UnsupportedDtypeError before anything starts."""
     import uvicorn
+
+    from slimroute.cpu import choose_dtype
+
+    choice = choose_dtype(dtype, device=device)
 
     def build_engines() -> dict:
         from slimroute.engine import Engine
         from slimroute.models import load_model
 
-        loaded = load_model(model, dtype, threads, device)
+        loaded = load_model(model, choice.name, threads, device)
         engines = {name: Engine.from_loaded(loaded, task, config) for name, task in task_set.tasks.items()}
-        log.warning("model %s loaded (%s, %d threads); serving tasks %s", model, dtype, loaded.threads,
+        log.warning("model %s loaded (%s, %d threads); serving tasks %s", model, choice, loaded.threads,
                     ", ".join(engines))
         return engines
 
@@ -42,7 +47,8 @@ def serve(
         log.error("could not load the model: %s", message)
         server.should_exit = True
 
-    settings = replace(settings or ServerSettings(), default_task=task_set.default, model_name=model)
+    settings = replace(settings or ServerSettings(), default_task=task_set.default, model_name=model,
+                       dtype=choice.name, dtype_reason=choice.reason)
     app = create_app(build_engines, settings, on_load_error=load_failed)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                                            access_log=access_log))

@@ -36,6 +36,8 @@ class ServerSettings:
     max_body_bytes: int = 1 << 20
     default_task: str | None = None  # None: the first task
     model_name: str | None = None  # shown in /v1/info
+    dtype: str | None = None  # what --dtype resolved to, and why (shown in /health and /v1/info)
+    dtype_reason: str | None = None
 
     def __post_init__(self):
         for name in ("max_texts", "max_text_chars", "max_body_bytes"):
@@ -252,8 +254,8 @@ class Service:
         limits = {"max_texts": s.max_texts, "max_text_chars": s.max_text_chars,
                   "max_body_bytes": s.max_body_bytes, "max_text_tokens": s.batch.max_text_tokens,
                   "max_queue_items": s.batch.max_queue_items}
-        return {"model": s.model_name, "ready": self.ready, "default_task": self.default_task,
-                "tasks": tasks, "limits": limits}
+        return {"model": s.model_name, "dtype": s.dtype, "dtype_reason": s.dtype_reason, "ready": self.ready,
+                "default_task": self.default_task, "tasks": tasks, "limits": limits}
 
 
 def create_app(
@@ -314,7 +316,7 @@ def create_app(
 
     @app.get("/health", summary="Liveness: the process answers")
     async def health():
-        return {"status": "ok"}
+        return {"status": "ok", "dtype": service.settings.dtype, "dtype_reason": service.settings.dtype_reason}
 
     @app.get("/ready", summary="Readiness: the model is loaded and the worker runs")
     async def ready():

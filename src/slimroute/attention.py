@@ -1,0 +1,94 @@
+"""Batch-invariant attention: each query's output has the same bits whatever the batch, the padding, the cached
+prefix or the number of queries computed with it. The int8 model uses it (int8 rounds whole rows: a 1e-7 difference
+in attention would become a different integer somewhere downstream, and a different answer).
+
+Why the usual kernels are not: SDPA's CPU kernel picks its blocks from the sequence lengths, and a GEMM's summation
+order can follow its shapes, so a query's sum over keys rounds differently when the batch is padded, when the prefix
+comes from a cache, or when a label's continuation sits behind a batch's padding instead of right after the text.
+
+What this does instead, with a fixed reduction order that depends only on the key positions a query sees:
+1. keys no query of a row can see (a batch's padding) move behind the visible ones, order kept, so a query's
+   visible keys always start at index 0 in position order, as in the one-at-a-time prompt;
+2. queries and keys are cut into tiles of TILE positions (zero-padded); scores and weighted sums are products of
+   TILE x TILE tiles, each the same shape of GEMM whatever the lengths;
+3. softmax runs over the padded key rows (masked keys are exact zeros: trailing tiles add +0 to every partial sum);
+4. the tiles' partial sums over keys are added in key order, one tile after another.
+About 4% of an item's FLOPs on a 0.5B model at ticket lengths.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+NAME = "slimroute_invariant"
+TILE = 64
+
+
+def _tiles(x: torch.Tensor, length: int) -> torch.Tensor:
+    """(B, H, L, D) -> (B, H, n, TILE, D), zero-padded to n * TILE positions."""
+    pad = length - x.shape[2]
+    if pad:
+        x = F.pad(x, (0, 0, 0, pad))
+    b, h, _, d = x.shape
+    return x.view(b, h, length // TILE, TILE, d)
+
+
+def invariant_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """query (B, H, Lq, D); key, value (B, Hkv, Lk, D); attention_mask (B, 1, Lq, Lk), True where a query may
+    attend (an additive float mask, 0 where allowed, works too). Returns ((B, Lq, H, D), None)."""
+    batch, heads, num_queries, head_dim = query.shape
+    num_keys = key.shape[2]
+    groups = heads // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)  # (B, H, Lk, D)
+    if attention_mask is None:
+        allowed = torch.ones(batch, 1, num_queries, num_keys, dtype=torch.bool, device=query.device)
+    elif attention_mask.dtype == torch.bool:
+        allowed = attention_mask[:, :, :, :num_keys]
+    else:
+        allowed = attention_mask[:, :, :, :num_keys] == 0
+    allowed = allowed.expand(batch, 1, num_queries, num_keys)
+
+    # 1. visible keys first, in position order (stable sort of "hidden" flags)
+    hidden = ~allowed.any(dim=2)  # (B, 1, Lk): no query of the row sees it
+    if bool(hidden.any()):
+        order = torch.sort(hidden.to(torch.uint8), dim=-1, stable=True).indices  # (B, 1, Lk)
+        gather = order[..., None].expand(batch, heads, num_keys, head_dim)
+        key, value = key.gather(2, gather), value.gather(2, gather)
+        allowed = allowed.gather(3, order[:, :, None, :].expand(batch, 1, num_queries, num_keys))
+
+    # 2. tiles: (B, H, nq, T, D) and (B, H, nk, T, D)
+    q_len, k_len = -(-num_queries // TILE) * TILE, -(-num_keys // TILE) * TILE
+    q_tiles, k_tiles, v_tiles = _tiles(query, q_len), _tiles(key, k_len), _tiles(value, k_len)
+    nq, nk = q_len // TILE, k_len // TILE
+    scores = torch.matmul(q_tiles[:, :, :, None], k_tiles[:, :, None].transpose(-1, -2))  # (B, H, nq, nk, T, T)
+    scores = scores.permute(0, 1, 2, 4, 3, 5).reshape(batch, heads, q_len, k_len) * scaling  # (B, H, Lq', Lk')
+
+    # 3. softmax over padded key rows; padded queries may see key 0 (their rows are dropped, but stay finite)
+    mask = F.pad(allowed, (0, k_len - num_keys, 0, q_len - num_queries))  # (B, 1, Lq', Lk')
+    mask[:, :, num_queries:, 0] = True
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+
+    # 4. per-tile weighted sums, added in key order
+    probs = probs.view(batch, heads, nq, TILE, nk, TILE).permute(0, 1, 2, 4, 3, 5)  # (B, H, nq, nk, T, T)
+    partial_sums = torch.matmul(probs, v_tiles[:, :, None])  # (B, H, nq, nk, T, D)
+    out = partial_sums[:, :, :, 0]
+    for j in range(1, nk):
+        out = out + partial_sums[:, :, :, j]  # (B, H, nq, T, D)
+    out = out.reshape(batch, heads, q_len, head_dim)[:, :, :num_queries]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> str:
+    """Make NAME a valid `attn_implementation` (with boolean masks, never skipped); returns NAME."""
+    AttentionInterface.register(NAME, invariant_attention)
+    AttentionMaskInterface.register(NAME, _boolean_mask)
+    return NAME
+
+
+def _boolean_mask(*args, **kwargs):
+    kwargs["allow_is_causal_skip"] = False  # always a mask: the kernel above has no implicit causal mode
+    return sdpa_mask(*args, **kwargs)

@@ -1,0 +1,190 @@
+"""int8: every linear layer of the decoder as an integer GEMM, batch-invariant by construction.
+
+Weights: symmetric int8 per output channel (scale = max |w| / 127). Activations: quantised per row, at every linear
+layer, with the row's own scale (max |x| / ACT_MAX), then fbgemm multiplies the integers with exact int32
+accumulation and the output row is multiplied back by its scale. Nothing in a row's output depends on the other rows,
+so a ticket gets the same bits alone or in a batch of 32. ACT_MAX is 63 (7 bits): on CPUs without VNNI fbgemm adds
+pairs of u8 x s8 products in int16 (vpmaddubsw), which saturates for 8-bit activations and int8 weights; with 7-bit
+activations no pair can overflow, so the accumulation is exact on every x86 CPU and the answers are the same on
+AVX2 and on AVX-512 VNNI machines.
+
+Embeddings, norms, attention (attention.py), the residual stream and the output head / label scorer stay fp32; the
+output head runs rows in fixed-size blocks (RowBlockedLinear) so its rows do not depend on the batch either.
+
+Quantised weights are made once per checkpoint and cached (int8_cache_file); later loads read only the int8 file and
+leave the fp32 weights' pages of the memory-mapped checkpoint untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slimroute.kernels import FileMappedMemory
+
+log = logging.getLogger(__name__)
+
+WEIGHT_MAX = 127
+ACT_MAX = 63
+ZERO_POINT = 64  # activations go in as uint8 q + 64, in [1, 127]
+SCHEME = f"w{WEIGHT_MAX}-a{ACT_MAX}-v1"  # part of the cache key: change it when the numbers would change
+HEAD_BLOCK = 16  # rows per output-head GEMM call
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) float -> (N, K) int8 and (N,) fp32 scales, symmetric per output channel."""
+    weight = weight.detach().float()
+    scale = weight.abs().amax(dim=1) / WEIGHT_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(weight / scale[:, None]).clamp_(-WEIGHT_MAX, WEIGHT_MAX).to(torch.int8)
+    return q, scale
+
+
+def _prepack(qweight: torch.Tensor, scale: torch.Tensor):
+    zero = torch.zeros(scale.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():  # quantized tensors are deprecated in torch but are what fbgemm's ops take
+        warnings.simplefilter("ignore")
+        qtensor = torch._make_per_channel_quantized_tensor(qweight, scale.double(), zero, 0)
+        return torch.ops.quantized.linear_prepack(qtensor, None)
+
+
+def int8_failure() -> str | None:
+    """Why the int8 kernels do not run here (None: they do), tried on a small layer."""
+    try:
+        Int8Linear.from_linear(nn.Linear(16, 8))(torch.ones(2, 16))
+    except (RuntimeError, AttributeError, NotImplementedError) as exc:  # AttributeError: the op is missing
+        return str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+    return None
+
+
+class Int8Linear(nn.Module):
+    """y = s_row * (q(x) @ W_q^T) * s_col + b, exact integer accumulation (fbgemm)."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape
+        self.packed = _prepack(qweight, scale)
+        self.bias = None if bias is None else bias.detach().float().clone()
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
+        return cls(*quantize_weight(linear.weight), linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float()  # (M, K)
+        scale = rows.abs().amax(dim=1, keepdim=True) / ACT_MAX  # (M, 1)
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round(rows / scale).clamp_(-ACT_MAX, ACT_MAX)  # integers, as floats
+        out = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(q, 1.0, ZERO_POINT, self.packed)
+        out.mul_(scale)  # (M, N)
+        if self.bias is not None:
+            out.add_(self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+class RowBlockedLinear(nn.Module):
+    """An fp32 linear whose output rows do not depend on how many rows share the call: rows run through GEMMs
+    of one fixed shape (HEAD_BLOCK rows, zero-padded). A GEMM's blocking, and so its rounding, may follow its row
+    count (on AVX2 a row alone and the same row among 300 differ in the last bits)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        num_rows = rows.shape[0]
+        padded = F.pad(rows, (0, 0, 0, (-num_rows) % HEAD_BLOCK))  # (M', K)
+        out = torch.empty(padded.shape[0], self.out_features, dtype=rows.dtype, device=rows.device)
+        for start in range(0, padded.shape[0], HEAD_BLOCK):
+            out[start:start + HEAD_BLOCK] = F.linear(padded[start:start + HEAD_BLOCK], self.weight, self.bias)
+        return out[:num_rows].view(*x.shape[:-1], self.out_features)
+
+
+def int8_cache_file(source: Path | str) -> Path | None:
+    """Where the quantised weights of a checkpoint folder are kept: next to a converted checkpoint (its folder name
+    carries the GGUF's sha256), or under the cache keyed by the checkpoint's sha256 (a hub snapshot: its commit)."""
+    from slimroute.models import cache_dir
+
+    folder = Path(source)
+    if not folder.is_dir():
+        return None
+    if folder.parent == cache_dir() / "converted":
+        return folder / f"int8-{SCHEME}.safetensors"
+    if folder.parent.name == "snapshots":  # the HF hub cache: the folder name is the commit
+        key = f"{folder.parent.parent.name}-{folder.name[:16]}"
+    else:
+        key = f"{folder.name}-{_checkpoint_sha(folder)[:16]}"
+    return cache_dir() / "int8" / f"{key}-{SCHEME}.safetensors"
+
+
+def _checkpoint_sha(folder: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in sorted(folder.glob("*.safetensors")):
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def quantize_model(model: nn.Module, cache_file: Path | None = None) -> None:
+    """Swap every nn.Linear but the output head for Int8Linear (weights from cache_file when it holds them) and the
+    output head for RowBlockedLinear. The fp32 weights' file pages are handed back once quantised."""
+    from safetensors import safe_open
+
+    head = model.get_output_embeddings()
+    targets = [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear
+               and module is not head]
+    cached = cache_file is not None and cache_file.is_file()
+    made: dict[str, torch.Tensor] = {}
+    mapped = FileMappedMemory()
+    with safe_open(str(cache_file), "pt") if cached else _nothing() as stored:
+        for name, linear in targets:
+            if stored is not None:
+                qweight, scale = stored.get_tensor(f"{name}.qweight"), stored.get_tensor(f"{name}.scale")
+            else:
+                qweight, scale = quantize_weight(linear.weight)
+                made[f"{name}.qweight"], made[f"{name}.scale"] = qweight, scale
+            _replace(model, name, Int8Linear(qweight, scale, linear.bias))
+            mapped.release(linear.weight)
+    for name, module in model.named_modules():
+        if module is head:
+            _replace(model, name, RowBlockedLinear(head))
+    if made and cache_file is not None:
+        _save(made, cache_file)
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".int8-", suffix=".tmp")
+        os.close(fd)
+        save_file(tensors, tmp, metadata={"scheme": SCHEME})
+        os.replace(tmp, path)
+    except OSError as exc:  # a read-only cache costs the next load a few seconds, nothing more
+        log.warning("could not cache the int8 weights at %s (%s); they will be quantised again next time", path, exc)

@@ -1,0 +1,108 @@
+"""The dtype chooser on simulated CPUs, and the one-line refusal of a dtype the CPU cannot run."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from slimroute.cli import app
+from slimroute.cpu import CpuFeatures, UnsupportedDtypeError, choose_dtype, detect, supported_dtypes
+
+ZEN5 = CpuFeatures("AMD EPYC (Zen 5)", frozenset(
+    "avx2 fma avx512f avx512bw avx512vl avx512dq avx512_bf16 avx512_vnni".split()), "AVX512", "x86_64")
+ZEN3 = CpuFeatures("AMD EPYC (Zen 3)", frozenset("avx2 fma f16c".split()), "AVX2", "x86_64")
+SKYLAKE = CpuFeatures("Intel Xeon (Skylake-SP)", frozenset("avx2 avx512f avx512bw avx512vl avx512dq".split()),
+                      "AVX512", "x86_64")
+OLD_X86 = CpuFeatures("Intel Core 2", frozenset("sse4_1 sse4_2".split()), "DEFAULT", "x86_64")
+ARM = CpuFeatures("Apple M2", frozenset("fp asimd".split()), "DEFAULT", "arm64")
+FBGEMM = "fbgemm" in torch.backends.quantized.supported_engines
+needs_fbgemm = pytest.mark.skipif(not FBGEMM, reason="this torch build has no fbgemm int8 kernels")
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("cpu, name, why", [
+    (ZEN5, "bfloat16", "native BF16"),
+    (ZEN3, "int8", "AVX2 without native BF16"),
+    (SKYLAKE, "int8", "AVX2 without native BF16"),  # oneDNN's bf16 runs there, but emulated: no faster than int8
+    (OLD_X86, "float32", "no native BF16 and no int8 kernels"),
+    (ARM, "float32", "no native BF16 and no int8 kernels"),
+])
+def test_auto_picks_from_the_cpu(cpu, name, why):
+    choice = choose_dtype("auto", cpu)
+    assert choice.name == name and why in choice.reason
+    assert name in supported_dtypes(cpu)
+
+
+def test_auto_on_a_gpu_is_float32():
+    assert choose_dtype("auto", ZEN3, device="cuda").name == "float32"
+
+
+@pytest.mark.parametrize("cpu", [ZEN3, ARM, OLD_X86])
+def test_bfloat16_where_the_cpu_cannot_run_it_names_the_missing_feature(cpu):
+    with pytest.raises(UnsupportedDtypeError) as err:
+        choose_dtype("bfloat16", cpu)
+    message = str(err.value)
+    assert "\n" not in message and "avx512bw" in message and cpu.model in message
+    assert "Dtypes that work on this machine: auto, float32" in message
+
+
+def test_int8_where_the_cpu_cannot_run_it():
+    with pytest.raises(UnsupportedDtypeError, match="int8 needs an x86 CPU with AVX2"):
+        choose_dtype("int8", ARM)
+
+
+def test_unknown_dtype_and_aliases():
+    with pytest.raises(ValueError, match="float8"):
+        choose_dtype("float8", ZEN3)
+    assert choose_dtype("fp32", ZEN3).name == "float32"
+
+
+@needs_fbgemm
+def test_failing_int8_kernels_make_auto_fall_back_to_float32(monkeypatch):
+    import slimroute.int8 as int8
+
+    def broken(*args):
+        raise RuntimeError("quantized::linear_prepack: simulated failure")
+
+    monkeypatch.setattr(int8, "_prepack", broken)
+    assert choose_dtype("auto", ZEN3).name == "float32"
+    with pytest.raises(UnsupportedDtypeError, match="simulated failure"):
+        choose_dtype("int8", ZEN3)
+
+
+def test_flags_can_be_simulated(monkeypatch):
+    monkeypatch.setenv("SLIMROUTE_CPU_FLAGS", "avx2 fma")
+    cpu = detect()
+    assert cpu.avx2 and not cpu.avx512 and "simulated" in cpu.model
+
+
+def test_cli_refuses_bfloat16_on_an_avx2_cpu_in_one_line(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("SLIMROUTE_CPU_FLAGS", "avx2 fma f16c")
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"id": "1", "text": "refund my card"}) + "\n")
+    for command in (["classify", str(src), "--out", str(out)], ["verify", str(src)]):
+        result = CliRunner().invoke(app, [*command, "--labels", "billing,account", "--model", model_dir,
+                                          "--dtype", "bfloat16"])
+        assert result.exit_code == 2, result.output
+        assert "Traceback" not in result.output and "avx512bw" in result.output
+        assert "auto, float32" in result.output
+    assert not out.exists()
+
+
+@needs_fbgemm
+def test_cli_summary_says_which_dtype_auto_chose(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("SLIMROUTE_CPU_FLAGS", "avx2 fma f16c")
+    src, out, summary = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "summary.json"
+    src.write_text("".join(json.dumps({"id": str(i), "text": t}) + "\n" for i, t in enumerate(["refund", "crash"])))
+    result = CliRunner().invoke(app, ["classify", str(src), "--out", str(out), "--labels", "billing,account",
+                                      "--model", model_dir, "--threads", "1", "--summary-json", str(summary)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(summary.read_text())["dtype"] == "int8 (AVX2 without native BF16)"
+    verify_json = tmp_path / "verify.json"
+    result = CliRunner().invoke(app, ["verify", str(src), "--labels", "billing,account", "--model", model_dir,
+                                      "--threads", "1", "--json", str(verify_json)])
+    assert result.exit_code == 0, result.output
+    record = json.loads(verify_json.read_text())
+    assert (record["dtype"], record["dtype_reason"]) == ("int8", "AVX2 without native BF16")
+    assert record["agreement"] == 1.0 and record["max_abs_logprob_diff"] == 0.0

@@ -1,0 +1,136 @@
+"""int8: the fast path gives the int8 reference's bits (batch invariance by construction), on tiny models."""
+
+import random
+
+import pytest
+import torch
+from tiny import make_text, tiny_model
+from torch import nn
+
+from slimroute.attention import invariant_attention
+from slimroute.config import EngineConfig
+from slimroute.cpu import detect, int8_kernels_available
+from slimroute.engine import Engine
+from slimroute.int8 import Int8Linear, RowBlockedLinear, int8_failure, quantize_model
+from slimroute.kernels import set_attention
+from slimroute.reference import ReferenceClassifier
+from slimroute.task import Task
+
+CPU = detect()
+pytestmark = pytest.mark.skipif(not int8_kernels_available(CPU),
+                                reason=f"int8 needs x86 AVX2 and torch's fbgemm kernels; this is {CPU.describe()}")
+
+SINGLE = ("billing", "technical", "account")
+MULTI = ("Technical Support", "Technical Sales", "billing", "account")  # shared first token, different lengths
+
+
+def int8_model(arch: str):
+    model, tok = tiny_model(arch)
+    quantize_model(model)
+    assert set_attention(model) == "invariant"
+    return model, tok
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def tiny_int8(request):
+    return int8_model(request.param)
+
+
+def test_int8_linear_is_close_to_fp32_and_row_invariant():
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 96)
+    x = torch.randn(300, 256)
+    q = Int8Linear.from_linear(linear)
+    with torch.no_grad():
+        assert (q(x) - linear(x)).norm() / linear(x).norm() < 0.03
+        x[:, 3] *= 30  # an outlier channel, as real activations have, costs precision in every row
+        assert (q(x) - linear(x)).norm() / linear(x).norm() < 0.1
+    whole = q(x)
+    for rows in (1, 7, 32, 299):
+        assert torch.equal(q(x[:rows]), whole[:rows]), rows
+    assert torch.equal(q(x[5:12]), whole[5:12])  # a row's bits do not depend on its neighbours or its position
+
+
+def test_int8_accumulation_is_exact():
+    """7-bit activations: fbgemm's int16 pair sums cannot saturate, so the output is the integer product."""
+    from slimroute.int8 import ACT_MAX, quantize_weight
+
+    torch.manual_seed(1)
+    linear = nn.Linear(512, 64, bias=False)
+    qweight, scale = quantize_weight(linear.weight)
+    x = torch.round(torch.rand(16, 512) * 2 * ACT_MAX - ACT_MAX)  # integers at full range: the worst case
+    x[:, 0] = ACT_MAX  # each row's max is ACT_MAX, so its scale is exactly 1
+    exact = (x.double() @ qweight.double().T) * scale.double()
+    assert torch.allclose(Int8Linear(qweight, scale, None)(x).double(), exact, rtol=1e-6, atol=1e-4)
+
+
+def test_row_blocked_head_rows_do_not_depend_on_the_batch():
+    torch.manual_seed(0)
+    head = RowBlockedLinear(nn.Linear(64, 400, bias=False))
+    x = torch.randn(37, 64)
+    whole = head(x)
+    assert torch.allclose(whole, torch.nn.functional.linear(x, head.weight), atol=1e-5)
+    for start, stop in ((0, 1), (5, 6), (3, 20), (36, 37)):
+        assert torch.equal(head(x[start:stop]), whole[start:stop])
+
+
+def test_invariant_attention_matches_eager_attention():
+    """The tiled kernel computes ordinary attention (fp32 rounding apart), with padding and a cached prefix."""
+    from transformers.models.qwen2.modeling_qwen2 import eager_attention_forward
+
+    torch.manual_seed(0)
+    batch, heads, kv_heads, queries, keys, dim = 3, 4, 2, 70, 150, 16
+    q, k, v = torch.randn(batch, heads, queries, dim), torch.randn(batch, kv_heads, keys, dim), torch.randn(
+        batch, kv_heads, keys, dim)
+    positions = torch.arange(keys - queries, keys)
+    allowed = (torch.arange(keys)[None, :] <= positions[:, None]).expand(batch, 1, queries, keys).clone()
+    allowed[1, :, :, 100:] = False  # row 1: padded keys, as in a right-padded batch
+    module = type("Attn", (), {"num_key_value_groups": heads // kv_heads, "training": False})()
+    mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
+    expected, _ = eager_attention_forward(module, q, k, v, mask, scaling=dim ** -0.5)
+    got, _ = invariant_attention(module, q, k, v, allowed, scaling=dim ** -0.5)
+    assert got.shape == expected.shape == (batch, queries, heads, dim)
+    assert torch.allclose(got, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("labels", [SINGLE, MULTI], ids=["single-token", "multi-token"])
+@pytest.mark.parametrize("prefix_cache", [True, False], ids=["prefix", "no-prefix"])
+def test_int8_fast_path_gives_the_int8_references_bits(tiny_int8, labels, prefix_cache):
+    model, tok = tiny_int8
+    rng = random.Random(len(labels) + prefix_cache)
+    texts = [make_text(rng, rng.choice([1, 4, 17, 60, 130])) for _ in range(33)]
+    task = Task(labels)
+    for decision in ("greedy", "max-prob"):
+        ref = ReferenceClassifier(model, tok, task, decision).classify(texts)
+        for batch_size in (1, 7, 32):
+            config = EngineConfig(batch_size=batch_size, max_batch_tokens=None, prefix_cache=prefix_cache,
+                                  decision=decision)
+            fast = Engine(model, tok, task, config).classify(texts)
+            assert [p.label for p in fast] == [p.label for p in ref]
+            assert [p.logprobs for p in fast] == [p.logprobs for p in ref], (decision, batch_size)  # bitwise
+
+
+def test_quantised_weights_are_cached_and_reloaded_bitwise(tmp_path):
+    texts = ["refund my card please", "app crash after login error"]
+    task = Task(SINGLE)
+    cache_file = tmp_path / "int8.safetensors"
+    first, tok = tiny_model("qwen2")
+    quantize_model(first, cache_file)
+    set_attention(first)
+    assert cache_file.is_file()
+    second, _ = tiny_model("qwen2")
+    second.get_decoder().layers[0].mlp.up_proj.weight.data.zero_()  # proves the int8 weights come from the file
+    quantize_model(second, cache_file)
+    set_attention(second)
+    a, b = (Engine(m, tok, task).classify(texts) for m in (first, second))
+    assert [p.logprobs for p in a] == [p.logprobs for p in b]
+
+
+def test_int8_probe_failure_is_reported(monkeypatch):
+    import slimroute.int8 as int8
+
+    def broken(*args):
+        raise RuntimeError("quantized::linear_prepack: simulated failure")
+
+    monkeypatch.setattr(int8, "_prepack", broken)
+    assert "simulated failure" in int8_failure()
