@@ -32,7 +32,7 @@ def tiny_llama():
 def _smollm2():
     from slimroute.models import load_model
 
-    return load_model("smollm2-135m")
+    return load_model("smollm2-135m", "float32")
 
 
 @pytest.fixture

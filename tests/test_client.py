@@ -161,7 +161,7 @@ def model_dir(tmp_path_factory, tiny):
 def test_slimroute_serve_end_to_end(model_dir, offline):
     port = free_port()
     command = [sys.executable, "-m", "slimroute.cli", "serve", "--model", str(model_dir), "--labels", LABELS,
-               "--port", str(port), "--threads", "1", "--max-wait-ms", "2"]
+               "--port", str(port), "--threads", "1", "--max-wait-ms", "2", "--dtype", "float32"]
     proc = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     try:

@@ -134,3 +134,19 @@ def test_int8_probe_failure_is_reported(monkeypatch):
 
     monkeypatch.setattr(int8, "_prepack", broken)
     assert "simulated failure" in int8_failure()
+
+
+@pytest.mark.slow
+def test_int8_is_bitwise_equal_to_its_reference_on_the_packaged_smollm2(tmp_path, monkeypatch):
+    """A real model (SmolLM2-135M, Llama architecture): padded, cached, batched int8 == one at a time, bitwise."""
+    from slimroute.data import synthetic_tickets
+    from slimroute.models import load_model
+
+    loaded = load_model("smollm2-135m", "int8", threads=2)
+    assert (loaded.precision, loaded.attention) == ("int8", "invariant")
+    texts = [t["text"] for t in synthetic_tickets(600, 0)[:24]]
+    task = Task(MULTI)
+    ref = ReferenceClassifier(loaded.model, loaded.tokenizer, task).classify(texts)
+    for batch_size in (1, 7, 32):
+        fast = Engine.from_loaded(loaded, task, EngineConfig(batch_size=batch_size)).classify(texts)
+        assert [p.logprobs for p in fast] == [p.logprobs for p in ref], batch_size

@@ -64,24 +64,48 @@ def int8_failure() -> str | None:
     return None
 
 
+class RowQuantizer:
+    """Per-row activation quantisation, shared by the layers that read one input: q_proj, k_proj and v_proj (and
+    gate_proj and up_proj) run one after the other on the same hidden states, so the first quantises them and the
+    others, called with that very tensor, reuse the result; after the last member the result is dropped."""
+
+    def __init__(self, members: int = 1):
+        self.members = members
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._uses = 0
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(..., K) -> integers as floats (M, K) and their row scales (M, 1)."""
+        if self._last is not None and self._last[0] is x:
+            _, q, scale = self._last
+        else:
+            rows = x.reshape(-1, x.shape[-1]).float()  # (M, K)
+            scale = torch.linalg.vector_norm(rows, float("inf"), dim=1, keepdim=True) / ACT_MAX  # (M, 1): max |x|
+            scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+            q = torch.div(rows, scale).round_()  # |q| <= ACT_MAX: integers, as floats
+            self._uses = 0
+        self._uses += 1
+        self._last = (x, q, scale) if self._uses < self.members else None
+        return q, scale
+
+
 class Int8Linear(nn.Module):
     """y = s_row * (q(x) @ W_q^T) * s_col + b, exact integer accumulation (fbgemm)."""
 
-    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 quantizer: RowQuantizer | None = None):
         super().__init__()
         self.out_features, self.in_features = qweight.shape
         self.packed = _prepack(qweight, scale)
         self.bias = None if bias is None else bias.detach().float().clone()
+        self.quantizer = quantizer or RowQuantizer()
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
-        return cls(*quantize_weight(linear.weight), linear.bias)
+    def from_linear(cls, linear: nn.Linear, quantizer: RowQuantizer | None = None) -> Int8Linear:
+        return cls(*quantize_weight(linear.weight), linear.bias, quantizer)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).float()  # (M, K)
-        scale = rows.abs().amax(dim=1, keepdim=True) / ACT_MAX  # (M, 1)
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round(rows / scale).clamp_(-ACT_MAX, ACT_MAX)  # integers, as floats
+        q, scale = self.quantizer(x)  # (M, K), (M, 1)
         out = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(q, 1.0, ZERO_POINT, self.packed)
         out.mul_(scale)  # (M, N)
         if self.bias is not None:
@@ -148,6 +172,8 @@ def quantize_model(model: nn.Module, cache_file: Path | None = None) -> None:
     cached = cache_file is not None and cache_file.is_file()
     made: dict[str, torch.Tensor] = {}
     mapped = FileMappedMemory()
+    groups = [_input_group(name) for name, _ in targets]
+    quantizers = {group: RowQuantizer(groups.count(group)) for group in groups}
     with safe_open(str(cache_file), "pt") if cached else _nothing() as stored:
         for name, linear in targets:
             if stored is not None:
@@ -155,13 +181,20 @@ def quantize_model(model: nn.Module, cache_file: Path | None = None) -> None:
             else:
                 qweight, scale = quantize_weight(linear.weight)
                 made[f"{name}.qweight"], made[f"{name}.scale"] = qweight, scale
-            _replace(model, name, Int8Linear(qweight, scale, linear.bias))
+            _replace(model, name, Int8Linear(qweight, scale, linear.bias, quantizers[_input_group(name)]))
             mapped.release(linear.weight)
     for name, module in model.named_modules():
         if module is head:
             _replace(model, name, RowBlockedLinear(head))
     if made and cache_file is not None:
         _save(made, cache_file)
+
+
+def _input_group(name: str) -> tuple[str, str]:
+    """Layers that read the same input share a quantiser: q/k/v_proj, and gate/up_proj (Qwen2, Llama, Mistral...)."""
+    parent, _, leaf = name.rpartition(".")
+    shared = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+    return parent, shared.get(leaf, leaf)
 
 
 class _nothing:

@@ -166,7 +166,7 @@ class ClassifierActor:
     given (the engine still sorts and buckets by length inside the block)."""
 
     def __init__(self, task: Task, model_path: str, model_spec: str, engine_config: EngineConfig | None,
-                 threads: int, dtype: str = "float32", text_column: str = "text", id_column: str = "id",
+                 threads: int, dtype: str = "auto", text_column: str = "text", id_column: str = "id",
                  label_column: str | None = None, telemetry: bool = False):
         from slimroute.engine import Engine
         from slimroute.models import load_model
@@ -201,7 +201,7 @@ class ClassifierActor:
 
 def classify_dataset(ds: ray.data.Dataset, task: Task, model_spec: str = DEFAULT_MODEL, *,
                      engine_config: EngineConfig | None = None, replicas: int = 1,
-                     threads_per_replica: int = 1, dtype: str = "float32", text_column: str = "text",
+                     threads_per_replica: int = 1, dtype: str = "auto", text_column: str = "text",
                      id_column: str = "id", label_column: str | None = None, block_rows: int = DEFAULT_BLOCK_ROWS,
                      max_restarts: int = 3, telemetry: bool = False,
                      replica_cls: type = ClassifierActor) -> ray.data.Dataset:
@@ -322,7 +322,7 @@ def run_ray_job(input_path, out_path, task: Task, model_spec: str = DEFAULT_MODE
                 engine_config: EngineConfig | None = None, replicas: int = 1,
                 threads_per_replica: int | None = None, ray_address: str | None = None,
                 text_column: str = "text", id_column: str = "id", label_column: str | None = None,
-                dtype: str = "float32", block_rows: int = DEFAULT_BLOCK_ROWS, runtime_env: dict | None = None) -> dict:
+                dtype: str = "auto", block_rows: int = DEFAULT_BLOCK_ROWS, runtime_env: dict | None = None) -> dict:
     """Classify a file, folder or glob of CSV / JSONL / Parquet into a folder of Parquet (or, for an
     `out_path` ending in .jsonl, JSONL) shards; returns the summary, also written to the folder.
 
