@@ -26,7 +26,7 @@ MULTI = ("Technical Support", "Technical Sales", "billing", "account")  # shared
 
 def int8_model(arch: str):
     model, tok = tiny_model(arch)
-    quantize_model(model)
+    quantize_model(model, tokenizer=tok)  # with smoothing, as load_model does
     assert set_attention(model) == "invariant"
     return model, tok
 
@@ -124,6 +124,26 @@ def test_quantised_weights_are_cached_and_reloaded_bitwise(tmp_path):
     set_attention(second)
     a, b = (Engine(m, tok, task).classify(texts) for m in (first, second))
     assert [p.logprobs for p in a] == [p.logprobs for p in b]
+
+
+def test_smoothing_changes_nothing_in_exact_arithmetic():
+    """The factors folded into norms, v_proj and up_proj cancel in the next layer (fp32, no quantisation)."""
+    from slimroute.smoothing import smoothed_weight, smoothing_factors
+
+    for arch in ("qwen2", "llama"):
+        model, tok = tiny_model(arch)
+        ids = torch.tensor([tok("refund my card please, the app crash after login")["input_ids"]])
+        with torch.no_grad():
+            before = model(ids).logits
+            factors, params = smoothing_factors(model, tok)
+            assert factors and params
+            for name, module in model.named_modules():
+                if name in factors:
+                    module.weight.copy_(smoothed_weight(module.weight, factors[name]))
+            for name, value in params.items():
+                model.get_parameter(name).copy_(value)
+            after = model(ids).logits
+        assert torch.allclose(before, after, atol=1e-4), (arch, (before - after).abs().max())
 
 
 def test_int8_probe_failure_is_reported(monkeypatch):

@@ -9,7 +9,8 @@ activations no pair can overflow, so the accumulation is exact on every x86 CPU 
 AVX2 and on AVX-512 VNNI machines.
 
 Embeddings, norms, attention (attention.py), the residual stream and the output head / label scorer stay fp32; the
-output head runs rows in fixed-size blocks (RowBlockedLinear) so its rows do not depend on the batch either.
+output head runs rows in fixed-size blocks (RowBlockedLinear) so its rows do not depend on the batch either. Before
+quantising, activation outliers are moved into the weights (smoothing.py), folded into the layers in front.
 
 Quantised weights are made once per checkpoint and cached (int8_cache_file); later loads read only the int8 file and
 leave the fp32 weights' pages of the memory-mapped checkpoint untouched.
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 WEIGHT_MAX = 127
 ACT_MAX = 63
 ZERO_POINT = 64  # activations go in as uint8 q + 64, in [1, 127]
-SCHEME = f"w{WEIGHT_MAX}-a{ACT_MAX}-v1"  # part of the cache key: change it when the numbers would change
+SCHEME = f"w{WEIGHT_MAX}-a{ACT_MAX}-smooth-v2"  # part of the cache key: change it when the numbers would change
 HEAD_BLOCK = 16  # rows per output-head GEMM call
 
 
@@ -161,28 +162,41 @@ def _checkpoint_sha(folder: Path) -> str:
     return digest.hexdigest()
 
 
-def quantize_model(model: nn.Module, cache_file: Path | None = None) -> None:
-    """Swap every nn.Linear but the output head for Int8Linear (weights from cache_file when it holds them) and the
-    output head for RowBlockedLinear. The fp32 weights' file pages are handed back once quantised."""
+def quantize_model(model: nn.Module, cache_file: Path | None = None, tokenizer=None) -> None:
+    """Swap every nn.Linear but the output head for Int8Linear and the output head for RowBlockedLinear.
+
+    With a tokenizer, activation outliers are smoothed into the weights first (smoothing.py; one fp32 pass over
+    fixed calibration prompts). The int8 weights, and the norms and biases smoothing changed, come from cache_file
+    when it holds them, else they are made and written there. The fp32 weights' file pages are handed back."""
     from safetensors import safe_open
+
+    from slimroute.smoothing import smoothed_weight, smoothing_factors
 
     head = model.get_output_embeddings()
     targets = [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear
                and module is not head]
     cached = cache_file is not None and cache_file.is_file()
-    made: dict[str, torch.Tensor] = {}
-    mapped = FileMappedMemory()
+    factors, params = smoothing_factors(model, tokenizer) if tokenizer is not None and not cached else ({}, {})
+    made: dict[str, torch.Tensor] = {f"param.{name}": value.contiguous() for name, value in params.items()}
     groups = [_input_group(name) for name, _ in targets]
     quantizers = {group: RowQuantizer(groups.count(group)) for group in groups}
+    mapped = FileMappedMemory()
     with safe_open(str(cache_file), "pt") if cached else _nothing() as stored:
+        if stored is not None:
+            params = {key[len("param."):]: stored.get_tensor(key) for key in stored.keys() if key.startswith("param.")}
         for name, linear in targets:
+            bias = params.get(f"{name}.bias", linear.bias)
             if stored is not None:
                 qweight, scale = stored.get_tensor(f"{name}.qweight"), stored.get_tensor(f"{name}.scale")
             else:
-                qweight, scale = quantize_weight(linear.weight)
+                qweight, scale = quantize_weight(smoothed_weight(linear.weight, factors.get(name)))
                 made[f"{name}.qweight"], made[f"{name}.scale"] = qweight, scale
-            _replace(model, name, Int8Linear(qweight, scale, linear.bias, quantizers[_input_group(name)]))
+            _replace(model, name, Int8Linear(qweight, scale, bias, quantizers[_input_group(name)]))
             mapped.release(linear.weight)
+    for name, value in params.items():
+        if not name.endswith(".bias") or name.rpartition(".")[0] not in dict(targets):
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, nn.Parameter(value, requires_grad=False))
     for name, module in model.named_modules():
         if module is head:
             _replace(model, name, RowBlockedLinear(head))

@@ -284,7 +284,7 @@ def load_model(
     if choice.name == "int8":
         from slimroute.int8 import int8_cache_file, quantize_model
 
-        quantize_model(model, int8_cache_file(source))
+        quantize_model(model, int8_cache_file(source), tokenizer)
         used = "int8 (fbgemm)"
     else:
         used = set_linear_kernels(model, kernels)
