@@ -17,23 +17,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
-import math
-import os
-import platform
-import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
-
-ROOT = Path(__file__).resolve().parent.parent
-SAMPLE = ROOT / "data" / "tickets-600.jsonl"
-LABELS = "billing,technical,account"
+from harness import (
+    free_port,
+    load_tickets,
+    measure_offline,
+    metric_sum,
+    percentile,
+    provenance,
+    serve_command,
+    start_server,
+    stop_server,
+    wait_ready,
+)
 
 
 def parse_args(argv=None):
@@ -55,64 +56,6 @@ def parse_args(argv=None):
     if not 1 <= args.n <= 600 or not 1 <= args.clients <= 256:
         p.error("--n must be 1..600 and --clients 1..256")
     return args
-
-
-def load_tickets(n: int) -> list[dict]:
-    if SAMPLE.is_file():
-        with open(SAMPLE, encoding="utf-8") as f:
-            tickets = [json.loads(line) for line in f if line.strip()]
-    else:
-        from slimroute.data import synthetic_tickets
-
-        tickets = synthetic_tickets(600, 0)
-    return tickets[:n]
-
-
-def measure_offline(args, texts: list[str]) -> tuple[dict, list]:
-    from slimroute.config import EngineConfig
-    from slimroute.engine import Engine
-    from slimroute.models import load_model
-    from slimroute.task import Task
-
-    loaded = load_model(args.model, args.dtype, args.threads)
-    config = EngineConfig(batch_size=args.batch_size, max_batch_tokens=args.max_batch_tokens or None,
-                          max_padding=args.max_padding or None)
-    engine = Engine.from_loaded(loaded, Task.from_labels(LABELS), config)
-    engine.classify(texts[:8])  # warm-up
-    start = time.perf_counter()
-    predictions = engine.classify(texts)
-    seconds = time.perf_counter() - start
-    record = {"items_per_s": round(len(texts) / seconds, 3), "seconds": round(seconds, 2),
-              "padding_overhead": round(engine.last_stats.padding.overhead, 4), "threads": loaded.threads}
-    print(f"offline: {len(texts) / seconds:.2f} items/s", file=sys.stderr, flush=True)
-    del engine, loaded
-    gc.collect()
-    return record, predictions
-
-
-def start_server(args, port: int) -> subprocess.Popen:
-    command = [sys.executable, "-m", "slimroute.cli", "serve", "--model", args.model, "--dtype", args.dtype,
-               "--labels", LABELS, "--host", "127.0.0.1", "--port", str(port),
-               "--batch-size", str(args.batch_size), "--max-padding", str(args.max_padding),
-               "--max-gather-tokens", str(args.max_gather_tokens), "--max-wait-ms", str(args.max_wait_ms)]
-    if args.threads:
-        command += ["--threads", str(args.threads)]
-    command += ["--max-batch-tokens", str(args.max_batch_tokens)]
-    return subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("the server did not become ready")
 
 
 async def run_load(url: str, tickets: list[dict], clients: int, max_seconds: float) -> dict:
@@ -144,50 +87,27 @@ async def run_load(url: str, tickets: list[dict], clients: int, max_seconds: flo
             "metrics": metrics, "client_cpu_s": client_cpu}
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
-def metric_sum(text: str, name: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)
-
-
-def git_sha() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def main(argv=None) -> int:
-    import torch
-    import transformers
-
     args = parse_args(argv)
     tickets = load_tickets(args.n)
     texts = [t["text"] for t in tickets]
-    before, offline_preds = (None, None) if args.skip_offline else measure_offline(args, texts)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    engine_args = (args.batch_size, args.max_batch_tokens, args.max_padding)
+    before, offline_preds = (None, None) if args.skip_offline else measure_offline(
+        args.model, args.dtype, args.threads, texts, *engine_args)
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = start_server(args, port)
+    proc = start_server(serve_command(
+        args.model, args.dtype, args.threads, port, "--batch-size", str(args.batch_size),
+        "--max-padding", str(args.max_padding), "--max-gather-tokens", str(args.max_gather_tokens),
+        "--max-wait-ms", str(args.max_wait_ms), "--max-batch-tokens", str(args.max_batch_tokens)))
     try:
         wait_ready(url, proc)
         load = asyncio.run(run_load(url, tickets, args.clients, args.max_seconds))
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
     offline = None
     if before is not None:
-        after, _ = measure_offline(args, texts)
+        after, _ = measure_offline(args.model, args.dtype, args.threads, texts, *engine_args)
         runs = [before["items_per_s"], after["items_per_s"]]
         offline = {**before, "items_per_s": round(sum(runs) / 2, 3), "runs_items_per_s": runs}
     done = len(load["answers"])
@@ -217,9 +137,7 @@ def main(argv=None) -> int:
         "engine_busy": round(metric_sum(load["metrics"], "slimroute_batch_seconds_sum") / load["seconds"], 3),
         "client_cpu_s": round(load["client_cpu_s"], 2),  # the load generator's own CPU time on this machine
         "offline": offline, "label_mismatches_vs_offline": mismatches, "max_abs_logprob_diff": max_diff,
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": transformers.__version__},
-        "git_sha": git_sha(), "cpu_count": os.cpu_count(),
+        **provenance(),
     }
     record["ratio_server_vs_offline"] = round(throughput / offline["items_per_s"], 3) if offline else None
     print_table(record)

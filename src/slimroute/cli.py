@@ -51,7 +51,7 @@ RECHECK = typer.Option(None, "--recheck-margin",
 
 
 def fail(message: str, code: int = 2):
-    console.print(f"[bold red]error:[/] {message}")
+    console.print(f"[bold red]error:[/] {message}", soft_wrap=True)  # one line, whatever the terminal's width
     raise typer.Exit(code)
 
 
@@ -166,6 +166,7 @@ def classify(
     errors: Path = typer.Option(None, "--errors", help="Write failed rows to this .jsonl, not to --out."),
     server: str = typer.Option(None, "--server", help="Send the rows to a running `slimroute serve` at this URL."),
     server_task: str = typer.Option(None, "--server-task", help="Named task on the server (default task if unset)."),
+    api_key: str = typer.Option(None, "--api-key", help="The server's API key (default: $SLIMROUTE_API_KEY)."),
     backend: str = typer.Option("local", "--backend", help="local, or ray (Ray Data; see docs/ray.md)."),
     ray_address: str = typer.Option(None, "--ray-address", help="auto or ray://host:10001 (default: start locally)."),
     replicas: int = typer.Option(1, "--replicas", help="Ray backend: model replicas (actors)."),
@@ -192,8 +193,9 @@ def classify(
             from slimroute.client import RemoteClassifier
             from slimroute.task import Task
 
-            remote = RemoteClassifier(server, server_task)
-            the_task = build_task(labels, instructions, task) if (labels or task) else Task(remote.labels())
+            remote = RemoteClassifier(server, server_task, api_key=api_key)
+            served = Task(remote.labels())  # checks the address, the key and the task before anything is written
+            the_task = build_task(labels, instructions, task) if (labels or task) else served
         else:
             the_task = build_task(labels, instructions, task)
         config = engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort, decision, max_padding,
@@ -460,32 +462,28 @@ def serve(
     max_text_tokens: int = typer.Option(2048, "--max-text-tokens", help="Tokens per text (0: the context)."),
     max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes", help="Request body size."),
     access_log: bool = typer.Option(False, "--access-log", help="Log every request."),
+    api_key: list[str] = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY' on /v1/* "
+                                      "(repeat for several keys; default: $SLIMROUTE_API_KEY, comma-separated)."),
+    api_key_file: Path = typer.Option(None, "--api-key-file", help="Accepted keys, one per line ('#' comments)."),
+    metrics_need_key: bool = typer.Option(False, "--metrics-need-key", help="Put /metrics behind the key too."),
 ):
     """Serve classification over HTTP, micro-batching concurrent requests (docs/server.md)."""
-    from slimroute.server import BatchSettings, ServerSettings, TaskSet, load_task_set
+    from slimroute.server import prepare
     from slimroute.server import serve as run_server
 
     try:
-        if task and labels:
-            fail("give either --task or --labels, not both")
-        if task:
-            task_set = load_task_set(task)
-        else:
-            single = build_task(labels, instructions, None)
-            task_set = TaskSet({single.name: single}, single.name)
+        task_set, settings = prepare(
+            task_file=task, labels=labels, instructions=instructions, batch_size=batch_size,
+            max_gather_tokens=max_gather_tokens, max_wait_ms=max_wait_ms, max_queue=max_queue, max_texts=max_texts,
+            max_text_chars=max_text_chars, max_text_tokens=max_text_tokens, max_body_bytes=max_body_bytes,
+            api_keys=api_key, api_key_file=api_key_file, metrics_need_key=metrics_need_key)
         config = engine_config(batch_size, max_batch_tokens, False, False, decision, max_padding, recheck_margin,
                                dtype)
-        settings = ServerSettings(
-            batch=BatchSettings(max_batch_items=batch_size, max_gather_tokens=max_gather_tokens or None,
-                                max_wait_ms=max_wait_ms,
-                                max_queue_items=max_queue, max_text_tokens=max_text_tokens or None),
-            max_texts=max_texts, max_text_chars=max_text_chars, max_body_bytes=max_body_bytes,
-        )
         choice = resolve_dtype(dtype, device)
     except ValueError as exc:
         fail(str(exc))
-    names = ", ".join(task_set.tasks)
-    console.print(f"serving {names} on http://{host}:{port} (docs: /docs), loading {model} ({choice})")
+    console.print(f"serving {', '.join(task_set.tasks)} on http://{host}:{port} (docs: /docs), loading {model} "
+                  f"({choice})")
     raise typer.Exit(run_server(task_set, model, dtype, threads, device, config, settings, host, port,
                                 access_log=access_log))
 

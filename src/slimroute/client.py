@@ -7,11 +7,13 @@
 `RemoteClassifier.classify` sends the texts in chunks (a few in flight, so the server's batches
 stay full), waits out 503 + Retry-After, and returns `Prediction`s in input order. A 4xx/5xx answer
 raises `ServerError` with the server's message; `jobs.classify_rows` then retries row by row, so
-only the offending rows become row errors.
+only the offending rows become row errors. A server started with API keys needs `api_key=` (default:
+the first key in $SLIMROUTE_API_KEY); a refused key raises `AccessDenied`, a ValueError.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -32,6 +34,16 @@ class ServerUnreachable(ValueError):
     """No answer from the server's address (a usage error for `classify --server URL`)."""
 
 
+class AccessDenied(ValueError):
+    """The server refused the API key, or asked for one (401/403): a usage error too."""
+
+
+def key_from_env() -> str | None:
+    """The first key in $SLIMROUTE_API_KEY (the server accepts a comma-separated list there)."""
+    keys = [k.strip() for k in os.environ.get("SLIMROUTE_API_KEY", "").split(",") if k.strip()]
+    return keys[0] if keys else None
+
+
 def classify_path(task_name: str | None) -> str:
     return "/v1/classify" if task_name is None else f"/v1/tasks/{task_name}/classify"
 
@@ -49,6 +61,8 @@ def raise_for_error(response: httpx.Response) -> None:
         message, field = error.get("message", response.text), error.get("field")
     except (ValueError, KeyError, TypeError):
         message, field = response.text or response.reason_phrase, None
+    if response.status_code in (401, 403):
+        raise AccessDenied(f"the server refused the request ({response.status_code}): {message}")
     raise ServerError(response.status_code, message, field)
 
 
@@ -65,6 +79,7 @@ class RemoteClassifier:
     def __init__(
         self, url: str, task_name: str | None = None, chunk_size: int = 64, concurrency: int = 2,
         timeout: float = 600.0, max_busy_retries: int = 30, client: httpx.Client | None = None,
+        api_key: str | None = None,
     ):
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -75,6 +90,8 @@ class RemoteClassifier:
         self._client = client or httpx.Client(base_url=self.url, timeout=timeout)
         self._owns_client = client is None
         self._info: dict | None = None
+        api_key = api_key or key_from_env()
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def __enter__(self) -> RemoteClassifier:
         return self
@@ -90,7 +107,7 @@ class RemoteClassifier:
         """GET /v1/info: tasks, labels, limits (fetched once)."""
         if self._info is None:
             try:
-                response = self._client.get("/v1/info")
+                response = self._client.get("/v1/info", headers=self._headers)
             except httpx.TransportError as exc:
                 raise ServerUnreachable(f"no slimroute server answers at {self.url}: {exc}") from exc
             raise_for_error(response)
@@ -142,7 +159,8 @@ class RemoteClassifier:
         unreachable = 0
         for _ in range(self.max_busy_retries + 1):
             try:
-                response = self._client.post(classify_path(self.task_name), json={"texts": list(texts)})
+                response = self._client.post(classify_path(self.task_name), json={"texts": list(texts)},
+                                             headers=self._headers)
             except httpx.TransportError as exc:
                 unreachable += 1
                 if unreachable > 3:

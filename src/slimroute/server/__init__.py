@@ -2,21 +2,58 @@
 
     tasks.py       the task file (one task or several named ones)
     microbatch.py  queue -> engine in one worker thread
-    app.py         FastAPI factory, schemas, limits, metrics
+    auth.py        API keys (Bearer), checked before a request's body is read
+    metrics.py     Prometheus metrics
+    app.py         FastAPI factory, schemas, limits, errors
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
+from pathlib import Path
 
 from slimroute.config import EngineConfig
 from slimroute.server.app import ServerSettings, create_app
+from slimroute.server.auth import ApiKeys, gather_keys, is_loopback
 from slimroute.server.microbatch import BatchSettings
 from slimroute.server.tasks import TaskSet, load_task_set
 
-__all__ = ["BatchSettings", "ServerSettings", "TaskSet", "create_app", "load_task_set", "serve"]
+__all__ = ["ApiKeys", "BatchSettings", "ServerSettings", "TaskSet", "create_app", "load_task_set", "prepare",
+           "serve"]
 log = logging.getLogger(__name__)
+
+
+def prepare(
+    *, task_file: str | Path | None = None, labels: str | None = None, instructions: str | None = None,
+    batch_size: int = 32, max_gather_tokens: int = 8192, max_wait_ms: float = 50.0, max_queue: int = 1024,
+    max_texts: int = 256, max_text_chars: int = 20_000, max_text_tokens: int = 2048, max_body_bytes: int = 1 << 20,
+    api_keys: Iterable[str] | None = None, api_key_file: str | Path | None = None, metrics_need_key: bool = False,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[TaskSet, ServerSettings]:
+    """`slimroute serve`'s flags -> (tasks, settings); 0 means no cap for the gather and token limits.
+    Keys: `api_keys` and the file's, else $SLIMROUTE_API_KEY (auth.gather_keys). Raises ValueError."""
+    from slimroute.task import Task
+
+    if task_file and labels:
+        raise ValueError("give either --task or --labels, not both")
+    if task_file:
+        task_set = load_task_set(task_file)
+    elif labels is None:
+        raise ValueError("no labels: pass --labels a,b,c or --task task.yaml")
+    else:
+        single = Task.from_labels(labels, instructions)
+        task_set = TaskSet({single.name: single}, single.name)
+    keys = gather_keys(api_keys, api_key_file, environ)
+    if metrics_need_key and not keys:
+        raise ValueError("--metrics-need-key needs an API key (--api-key, --api-key-file or SLIMROUTE_API_KEY)")
+    batch = BatchSettings(max_batch_items=batch_size, max_gather_tokens=max_gather_tokens or None,
+                          max_wait_ms=max_wait_ms, max_queue_items=max_queue, max_text_tokens=max_text_tokens or None)
+    settings = ServerSettings(batch=batch, max_texts=max_texts, max_text_chars=max_text_chars,
+                              max_body_bytes=max_body_bytes, api_keys=ApiKeys(keys) if keys else None,
+                              metrics_need_key=metrics_need_key)
+    return task_set, settings
 
 
 def serve(
@@ -49,6 +86,9 @@ def serve(
 
     settings = replace(settings or ServerSettings(), default_task=task_set.default, model_name=model,
                        dtype=choice.name, dtype_reason=choice.reason)
+    if settings.api_keys is None and not is_loopback(host):
+        log.warning("listening on %s without an API key: anyone who reaches it can use the service "
+                    "(set --api-key, --api-key-file or SLIMROUTE_API_KEY)", host)
     app = create_app(build_engines, settings, on_load_error=load_failed)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                                            access_log=access_log))

@@ -3,12 +3,15 @@
 `engines` maps task name -> Engine (or is a zero-argument callable that builds that mapping, run
 in a thread at startup so /health answers while the model loads). Routes: POST /v1/classify,
 POST /v1/tasks/{name}/classify, GET /v1/info, /health, /ready, /metrics. Every error answers
-`{"error": {"type", "message", "field"}}`; compute never runs on the event loop.
+`{"error": {"type", "message", "field"}}`; compute never runs on the event loop. With API keys
+(`settings.api_keys`), every path but /health, /ready (and /metrics unless `metrics_need_key`) needs
+`Authorization: Bearer KEY` (auth.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -18,14 +21,15 @@ from typing import Annotated
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from starlette.exceptions import HTTPException
 
+from slimroute.server.auth import REASONS, ApiKeys, RequireApiKey
+from slimroute.server.metrics import Metrics
 from slimroute.server.microbatch import BatchSettings, EngineFailed, MicroBatcher, QueueFull, ShuttingDown, TextTooLong
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+CLASSIFY_PATH = re.compile(r"^/v1/(?:tasks/([^/]+)/)?classify$")
 
 
 @dataclass(frozen=True)
@@ -38,12 +42,19 @@ class ServerSettings:
     model_name: str | None = None  # shown in /v1/info
     dtype: str | None = None  # what --dtype resolved to, and why (shown in /health and /v1/info)
     dtype_reason: str | None = None
+    api_keys: ApiKeys | None = None  # None: no key needed
+    metrics_need_key: bool = False  # /metrics behind the key too
 
     def __post_init__(self):
         for name in ("max_texts", "max_text_chars", "max_body_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.api_keys is not None and not isinstance(self.api_keys, ApiKeys):
+            raise ValueError(f"api_keys must be a slimroute.server.auth.ApiKeys or None, "
+                             f"got {type(self.api_keys).__name__}")
+        if self.metrics_need_key and self.api_keys is None:
+            raise ValueError("metrics_need_key is set but no API key is given")
 
 
 # ------------------------------------------------------------------------------------- schemas
@@ -113,46 +124,6 @@ class ClassifyResponse(BaseModel):
     task: str
     results: list[ItemResult]
     timing: Timing
-
-
-# ------------------------------------------------------------------------------------- metrics
-
-
-class Metrics:
-    """Prometheus metrics in a registry of their own (several apps may live in one process)."""
-
-    def __init__(self):
-        self.registry = r = CollectorRegistry()
-        self.requests = Counter("slimroute_requests", "Classify requests by task and HTTP status", ["task", "status"],
-                                registry=r)
-        self.items = Counter("slimroute_items", "Texts classified", ["task"], registry=r)
-        self.latency = Histogram("slimroute_request_latency_seconds", "Classify request latency",
-                                 ["task"], buckets=LATENCY_BUCKETS, registry=r)
-        self.batch_items = Histogram("slimroute_batch_items", "Texts per engine call", ["task"],
-                                     buckets=SIZE_BUCKETS, registry=r)
-        self.batch_requests = Histogram("slimroute_batch_requests", "Requests per engine call", ["task"],
-                                        buckets=SIZE_BUCKETS, registry=r)
-        self.batch_seconds = Histogram("slimroute_batch_seconds", "Engine time per call", ["task"],
-                                       buckets=LATENCY_BUCKETS, registry=r)
-        self.real_tokens = Counter("slimroute_real_tokens", "Item tokens that carry text", ["task"], registry=r)
-        self.processed_tokens = Counter("slimroute_processed_tokens", "Item tokens run, padding included",
-                                        ["task"], registry=r)
-        self.padding_overhead = Gauge("slimroute_padding_overhead", "Padded / processed tokens, last call",
-                                      ["task"], registry=r)
-        self.queue_depth = Gauge("slimroute_queue_depth", "Texts waiting for the engine", registry=r)
-        self.errors = Counter("slimroute_errors", "Errors by task and kind", ["task", "kind"], registry=r)
-        self.dropped = Counter("slimroute_dropped_requests", "Requests dropped because the client went away",
-                               ["task"], registry=r)
-
-    def observe_batch(self, task: str, num_items: int, num_requests: int, seconds: float, stats) -> None:
-        self.batch_items.labels(task=task).observe(num_items)
-        self.batch_requests.labels(task=task).observe(num_requests)
-        self.batch_seconds.labels(task=task).observe(seconds)
-        self.items.labels(task=task).inc(num_items)
-        if stats is not None:
-            self.real_tokens.labels(task=task).inc(stats.padding.real_tokens)
-            self.processed_tokens.labels(task=task).inc(stats.padding.processed_tokens)
-            self.padding_overhead.labels(task=task).set(stats.padding.overhead)
 
 
 # ------------------------------------------------------------------------------------- errors
@@ -294,6 +265,17 @@ def create_app(
     def task_label(request: Request) -> str:
         name = request.path_params.get("name", service.default_task)
         return name if name in service.engines else "unknown"
+
+    def unauthorized(scope: dict, reason: str) -> Response:
+        metrics.unauthorized.labels(reason=reason).inc()
+        if (match := CLASSIFY_PATH.match(scope["path"])) is not None:  # counted with the classify requests too
+            name = match.group(1) or service.default_task
+            metrics.requests.labels(task=name if name in service.engines else "unknown", status="401").inc()
+        return error_response(401, "unauthorized", REASONS[reason], headers={"WWW-Authenticate": "Bearer"})
+
+    if settings.api_keys is not None:  # added last, so it runs first: before the body is read
+        open_paths = {"/health", "/ready"} | (set() if settings.metrics_need_key else {"/metrics"})
+        app.add_middleware(RequireApiKey, keys=settings.api_keys, open_paths=open_paths, refuse=unauthorized)
 
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, exc: ApiError):
