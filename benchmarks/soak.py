@@ -330,7 +330,8 @@ def build_record(args, capacity, tally, result, before, metrics, rss_start, rss_
         "capacity_items_per_s": capacity, "capacity_from": "argument" if args.capacity else "offline engine.classify",
         "offered_good_items_per_s": round(good_items / seconds, 2),
         "offered_over_capacity": round(good_items / seconds / capacity, 2),
-        "answered_items_per_s": round(tally.items_ok / seconds, 2), "requests_sent": result["sent"],
+        "answered_items_per_s": round(tally.items_ok / seconds, 2),
+        "offered_over_answered": round(good_items / max(tally.items_ok, 1), 2), "requests_sent": result["sent"],
         "statuses": dict(statuses), "by_kind": by_kind, "other_5xx": other_5xx,
         "busy_503": tally.busy, "busy_503_with_retry_after": tally.retry_after,
         "accepted": len(tally.latencies), "accepted_p50_s": round(percentile(lat, 0.5), 3),
@@ -389,7 +390,8 @@ def markdown(r: dict) -> str:
     lines += ["", "| measure | value | target |", "|---|---|---|",
               f"| load | {r['seconds']:.0f} s; good traffic {r['offered_good_items_per_s']} items/s = "
               f"**{r['offered_over_capacity']}x** the capacity ({r['capacity_items_per_s']} items/s, "
-              f"{r['capacity_from']}); answered {r['answered_items_per_s']} items/s | 2-3x |",
+              f"{r['capacity_from']}); answered {r['answered_items_per_s']} items/s (offered / answered: "
+              f"{r['offered_over_answered']}x) | 2-3x |",
               f"| 5xx other than 503 | {r['other_5xx']} (server tracebacks: {r['server_log_tracebacks']}) | 0 "
               f"{'✓' if met['no 5xx but 503'] else '✗'} |",
               f"| 503 with Retry-After | {r['busy_503_with_retry_after']} of {r['busy_503']} | all "

@@ -363,6 +363,39 @@ def test_request_of_a_disconnected_client_is_dropped_from_the_queue(tiny):
     assert all("nobody waits for me" not in call for call in probe.calls)
 
 
+def test_an_engine_call_stops_when_every_request_in_it_has_gone(tiny, offline):
+    """A client that leaves while its texts are in the engine stops the call at the next engine batch."""
+    engine = Engine(*tiny, Task.from_labels(LABELS), EngineConfig(batch_size=1))  # one text per engine batch
+    batches, gone, call_over = [], {}, threading.Event()
+
+    class LeaveAfterFirstBatch(Probe):
+        def classify(self, texts, progress=None, on_results=None):
+            def forward(done):
+                batches.append(done)
+                if len(self.calls) == 1:
+                    batcher.drop(gone["pending"])  # as the app does when the client disconnects
+                on_results(done)
+            try:
+                return super().classify(texts, progress, forward)
+            finally:
+                call_over.set()
+
+    probe = LeaveAfterFirstBatch(engine)
+    batcher = MicroBatcher({"default": probe}, BatchSettings(max_wait_ms=0))
+
+    async def scenario():
+        batcher.start()
+        gone["pending"] = batcher.submit("default", TEXTS[:4])
+        await asyncio.to_thread(call_over.wait, 20)
+        return await batcher.submit("default", [TEXTS[5]]).future
+
+    after = asyncio.run(scenario())
+    batcher.close()
+    assert probe.calls[0] == TEXTS[:4] and len(batches) == 2  # one engine batch of the four, then the next call
+    assert not gone["pending"].future.done()
+    assert after.predictions[0].logprobs == pytest.approx(offline[TEXTS[5]].logprobs, abs=1e-4)
+
+
 def test_engine_failure_answers_500_and_the_rest_are_served(tiny, offline):
     gate = threading.Event()
     probe = Probe(make_engine(tiny), gate=gate, fail_on="POISON")

@@ -65,6 +65,10 @@ class EngineFailed(RuntimeError):
     pass
 
 
+class NobodyWaits(Exception):
+    """Raised between engine batches to stop a call whose waiting requests have all been dropped."""
+
+
 @dataclass(frozen=True)
 class BatchResult:
     predictions: list[Prediction]
@@ -247,9 +251,14 @@ class MicroBatcher:
                     result = BatchResult(answers[id(pending)], start - pending.submitted_at, seconds, len(texts),
                                          len(live))
                     _settle(pending, result)
+            waiting = [p for p in live if left[id(p)]]
+            if waiting and all(p.dropped for p in waiting):  # their clients have gone: stop computing for them
+                raise NobodyWaits
 
         try:
             engine.classify(texts, on_results=on_results)
+        except NobodyWaits:
+            return
         except Exception as exc:  # noqa: BLE001
             self._count_error(task, "engine")
             unanswered = [p for p in live if left[id(p)]]
