@@ -120,6 +120,16 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
+def metric_by_label(text: str, name: str, label: str) -> dict[str, int]:
+    """A counter's samples in Prometheus text, summed per value of one label: {"200": 12, "503": 3}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, int] = {}
+    for s in (s for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name):
+        out[s.labels[label]] = out.get(s.labels[label], 0) + int(s.value)
+    return out
+
+
 def git_sha() -> str | None:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,

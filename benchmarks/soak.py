@@ -39,6 +39,7 @@ from harness import (
     free_port,
     load_tickets,
     measure_offline,
+    metric_by_label,
     metric_sum,
     percentile,
     provenance,
@@ -342,7 +343,11 @@ def build_record(args, capacity, tally, result, before, metrics, rss_start, rss_
         "rss_growth_after_warmup": round(growth, 4), "warmup_seconds": args.warmup_seconds,
         "single_latency_before_s": [round(x, 3) for x in before],
         "recovery": result["recovery"], "client_cpu_s": round(result["client_cpu_s"], 1),
-        "server": server_counts(metrics),
+        "server": {  # the server's own counts (status 499: the client had gone)
+            "requests_by_status": metric_by_label(metrics, "slimroute_requests_total", "status"),
+            "errors_by_kind": metric_by_label(metrics, "slimroute_errors_total", "kind"),
+            "dropped_requests": int(metric_sum(metrics, "slimroute_dropped_requests_total")),
+            "unauthorized_requests": int(metric_sum(metrics, "slimroute_unauthorized_requests_total"))},
         "server_exit_code": exit_code, "server_log_tracebacks": server_log.count("Traceback"),
         "key_in_server_log": key in server_log,
         **provenance(),
@@ -357,24 +362,6 @@ def build_record(args, capacity, tally, result, before, metrics, rss_start, rss_
         "no key in the server log": not record["key_in_server_log"],
     }
     return record
-
-
-def server_counts(metrics: str) -> dict:
-    """The server's own counts: classify requests by status (499: the client had gone), errors by kind."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    counts: dict[str, dict] = {"requests_by_status": {}, "errors_by_kind": {}}
-    for family in text_string_to_metric_families(metrics):
-        for s in family.samples:
-            if s.name == "slimroute_requests_total":
-                by = counts["requests_by_status"]
-                by[s.labels["status"]] = by.get(s.labels["status"], 0) + int(s.value)
-            elif s.name == "slimroute_errors_total":
-                by = counts["errors_by_kind"]
-                by[s.labels["kind"]] = by.get(s.labels["kind"], 0) + int(s.value)
-    counts["dropped_requests"] = int(metric_sum(metrics, "slimroute_dropped_requests_total"))
-    counts["unauthorized_requests"] = int(metric_sum(metrics, "slimroute_unauthorized_requests_total"))
-    return counts
 
 
 def markdown(r: dict) -> str:

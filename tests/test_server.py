@@ -364,24 +364,23 @@ def test_request_of_a_disconnected_client_is_dropped_from_the_queue(tiny):
 
 
 def test_an_engine_call_stops_when_every_request_in_it_has_gone(tiny, offline):
-    """A client that leaves while its texts are in the engine stops the call at the next engine batch."""
+    """A client that leaves while its texts are in the engine frees the worker within one transformer layer:
+    the call stops before its first engine batch is done, the model is left as it was, the next call is exact."""
     engine = Engine(*tiny, Task.from_labels(LABELS), EngineConfig(batch_size=1))  # one text per engine batch
     batches, gone, call_over = [], {}, threading.Event()
 
-    class LeaveAfterFirstBatch(Probe):
+    class LeaveAtTheStart(Probe):
         def classify(self, texts, progress=None, on_results=None):
-            def forward(done):
-                batches.append(done)
-                if len(self.calls) == 1:
-                    batcher.drop(gone["pending"])  # as the app does when the client disconnects
-                on_results(done)
+            if len(self.calls) == 0:
+                batcher.drop(gone["pending"])  # as the app does when the client disconnects
             try:
-                return super().classify(texts, progress, forward)
+                return super().classify(texts, progress, lambda done: (batches.append(done), on_results(done)))
             finally:
                 call_over.set()
 
-    probe = LeaveAfterFirstBatch(engine)
+    probe = LeaveAtTheStart(engine)
     batcher = MicroBatcher({"default": probe}, BatchSettings(max_wait_ms=0))
+    num_hooks = sum(len(layer._forward_pre_hooks) for layer in engine.model.model.layers)  # other apps' too
 
     async def scenario():
         batcher.start()
@@ -391,9 +390,10 @@ def test_an_engine_call_stops_when_every_request_in_it_has_gone(tiny, offline):
 
     after = asyncio.run(scenario())
     batcher.close()
-    assert probe.calls[0] == TEXTS[:4] and len(batches) == 2  # one engine batch of the four, then the next call
+    assert probe.calls[0] == TEXTS[:4] and len(batches) == 1  # the first call finished no engine batch
     assert not gone["pending"].future.done()
     assert after.predictions[0].logprobs == pytest.approx(offline[TEXTS[5]].logprobs, abs=1e-4)
+    assert sum(len(layer._forward_pre_hooks) for layer in engine.model.model.layers) == num_hooks  # close() removed
 
 
 def test_engine_failure_answers_500_and_the_rest_are_served(tiny, offline):

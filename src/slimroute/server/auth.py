@@ -119,7 +119,7 @@ class RequireApiKey:
         if scope["type"] != "http" or scope["path"] in self.open_paths:
             return await self.app(scope, receive, send)
         values = [v for k, v in scope["headers"] if k == b"authorization"]
-        header = values[0].decode("latin-1") if len(values) == 1 else (None if not values else "")
+        header = values[0].decode("latin-1") if len(values) == 1 else None if not values else ""  # 2: malformed
         reason = self.keys.refusal(header)
         if reason is None:
             return await self.app(scope, receive, send)

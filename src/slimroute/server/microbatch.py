@@ -66,7 +66,8 @@ class EngineFailed(RuntimeError):
 
 
 class NobodyWaits(Exception):
-    """Raised between engine batches to stop a call whose waiting requests have all been dropped."""
+    """Raised in the worker, before a transformer layer runs, to stop an engine call whose waiting
+    requests have all been dropped (their clients went away): the worker is free within one layer."""
 
 
 @dataclass(frozen=True)
@@ -99,11 +100,15 @@ class MicroBatcher:
         self._closing = False
         self._items_per_s = 0.0  # recent throughput, for Retry-After
         self._thread = threading.Thread(target=self._run, name="slimroute-microbatch", daemon=True)
+        self._nobody_waits = None  # during an engine call: () -> True once every request still waiting has gone
+        self._hooks: list = []
 
     # ---------------------------------------------------------------- event-loop side
 
     def start(self) -> None:
         share_the_main_malloc_arena()
+        self._hooks = [layer.register_forward_pre_hook(self._stop_if_nobody_waits)
+                       for layer in transformer_layers(self.engines)]
         self._thread.start()
 
     @property
@@ -155,6 +160,8 @@ class MicroBatcher:
             self._cond.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        for hook in self._hooks:
+            hook.remove()
 
     # ---------------------------------------------------------------- worker side
 
@@ -251,10 +258,14 @@ class MicroBatcher:
                     result = BatchResult(answers[id(pending)], start - pending.submitted_at, seconds, len(texts),
                                          len(live))
                     _settle(pending, result)
-            waiting = [p for p in live if left[id(p)]]
-            if waiting and all(p.dropped for p in waiting):  # their clients have gone: stop computing for them
+            if nobody_waits():
                 raise NobodyWaits
 
+        def nobody_waits() -> bool:
+            waiting = [p for p in live if left[id(p)]]
+            return bool(waiting) and all(p.dropped for p in waiting)
+
+        self._nobody_waits = nobody_waits  # checked before each layer (and after each engine batch)
         try:
             engine.classify(texts, on_results=on_results)
         except NobodyWaits:
@@ -269,6 +280,8 @@ class MicroBatcher:
                 for pending in unanswered:
                     self._execute(task, [pending])
             return
+        finally:
+            self._nobody_waits = None
         seconds = time.perf_counter() - start
         if seconds > 0:
             rate = len(texts) / seconds
@@ -277,6 +290,12 @@ class MicroBatcher:
             stats = getattr(engine, "last_stats", None)
             self.metrics.observe_batch(task, len(texts), len(live), seconds, stats)
 
+    def _stop_if_nobody_waits(self, module, args) -> None:
+        """A forward pre-hook: only this batcher's worker, only in a call whose requests have all gone."""
+        nobody_waits = self._nobody_waits
+        if nobody_waits is not None and threading.get_ident() == self._thread.ident and nobody_waits():
+            raise NobodyWaits
+
     def _count_error(self, task: str, kind: str) -> None:
         if self.metrics is not None:
             self.metrics.errors.labels(task=task, kind=kind).inc()
@@ -284,6 +303,20 @@ class MicroBatcher:
     def _report_depth(self) -> None:
         if self.metrics is not None:
             self.metrics.queue_depth.set(self._num_queued)
+
+
+def transformer_layers(engines: dict) -> list:
+    """The blocks of each distinct model the engines run (the first ModuleList in it: `model.layers`)."""
+    import torch
+
+    layers, seen = [], set()
+    for engine in engines.values():
+        model = getattr(engine, "model", None)
+        if not isinstance(model, torch.nn.Module) or id(model) in seen:
+            continue
+        seen.add(id(model))
+        layers += next((list(m) for m in model.modules() if isinstance(m, torch.nn.ModuleList)), [])
+    return layers
 
 
 def share_the_main_malloc_arena() -> None:
