@@ -1,0 +1,189 @@
+"""BANKING77 accuracy of a tuned head, and what the head costs in items/s against plain zero-shot.
+
+Tunes heads (tune.py: the engine's last hidden states, cross-validated logistic regression) on
+`split=train` rows of data/banking77/train.csv and evaluates them on the held-out `split=valid` rows
+(1,001): on a deterministic balanced subset (the first --per-intent rows of each intent in file order;
+0: every train row) and on its first 8 per intent (616 rows). Then times `Engine.classify` with the head
+against plain zero-shot label scoring (the same 77-label task) on the first --speed-rows valid rows, and
+checks the classify path gives the same answers as the head applied to the extracted features.
+
+Features are cached under --out (keyed by model identity, task and texts), so a rerun only refits.
+Prints a Markdown table and writes one JSON record (command, git sha, CPU, threads, versions).
+
+    nice -n 10 python benchmarks/banking77.py --per-intent 24 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import json
+import shlex
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from slimroute.bench import machine_info
+from slimroute.config import EngineConfig
+from slimroute.engine import Engine
+from slimroute.fingerprint import identity
+from slimroute.head import Head
+from slimroute.models import load_model
+from slimroute.task import Task
+from slimroute.tune import TuneConfig, fit_head
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "data" / "banking77" / "train.csv"
+INSTRUCTIONS = "Classify the online-banking customer query into one intent."
+
+
+def read_split(path: Path) -> dict[str, list[tuple[str, str]]]:
+    splits: dict[str, list[tuple[str, str]]] = {"train": [], "valid": []}
+    with path.open(encoding="utf-8", newline="") as f:
+        for row in csv.DictReader(f):
+            splits[row["split"]].append((row["text"], row["label"]))
+    return splits
+
+
+def first_per_label(labels: list[str], n: int) -> list[int]:
+    """Indices of the first n rows of each label, in file order (n = 0: all rows)."""
+    seen: Counter = Counter()
+    picked = []
+    for i, label in enumerate(labels):
+        if not n or seen[label] < n:
+            seen[label] += 1
+            picked.append(i)
+    return picked
+
+
+def cached_features(engine: Engine, texts: list[str], folder: Path, log) -> tuple[torch.Tensor, float | None]:
+    """(N, H) features and the extraction rate in items/s (None when read from the cache)."""
+    key = json.dumps([identity(engine.model, engine.tokenizer, engine.task), texts])
+    path = folder / f"features-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
+    if path.is_file():
+        log(f"features of {len(texts)} rows from {path}")
+        return torch.load(path), None
+    start = time.perf_counter()
+    done = [0]
+
+    def progress(n):
+        done[0] += n
+        if done[0] % 256 < n:
+            rate = done[0] / (time.perf_counter() - start)
+            log(f"  {done[0]}/{len(texts)} rows, {rate:.2f} items/s")
+
+    features = engine.features(texts, progress=progress)
+    rate = len(texts) / (time.perf_counter() - start)
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save(features, path)
+    log(f"features of {len(texts)} rows: {rate:.2f} items/s")
+    return features, rate
+
+
+def evaluate(head: Head, features: torch.Tensor, gold: list[str]) -> dict:
+    from sklearn.metrics import accuracy_score, f1_score
+
+    predicted = [head.labels[j] for j in head.logprobs(features).argmax(dim=1).tolist()]
+    return {"accuracy": float(accuracy_score(gold, predicted)),
+            "macro_f1": float(f1_score(gold, predicted, average="macro")), "predicted": predicted}
+
+
+def timed(engine: Engine, texts: list[str]) -> tuple[list, float]:
+    engine.classify(texts[:8])  # warm-up: first-call allocations and kernel choices
+    start = time.perf_counter()
+    preds = engine.classify(texts)
+    return preds, len(texts) / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--per-intent", type=int, default=0, help="train rows per intent (0: all 9,002)")
+    parser.add_argument("--few", type=int, default=8, help="the small-data row: this many per intent")
+    parser.add_argument("--folds", type=int, default=5)
+    parser.add_argument("--speed-rows", type=int, default=64, help="valid rows timed with and without the head")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "banking77")
+    args = parser.parse_args()
+    command = shlex.join(["python", "benchmarks/banking77.py", *sys.argv[1:]])
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    splits = read_split(DATA)
+    labels = sorted({label for _, label in splits["train"]})
+    train = [splits["train"][i] for i in first_per_label([label for _, label in splits["train"]], args.per_intent)]
+    valid = splits["valid"]
+    loaded = load_model(args.model, args.dtype, args.threads)
+    task = Task(tuple(labels), INSTRUCTIONS)
+    engine = Engine.from_loaded(loaded, task, EngineConfig())
+    meta = {"identity": identity(loaded.model, loaded.tokenizer, task), "model": args.model,
+            "task": {"labels": labels, "instructions": INSTRUCTIONS}}
+    log(f"{args.model} {args.dtype}, {loaded.threads} threads; prefix {len(engine.prompt.prefix_ids)} tokens; "
+        f"{len(train)} train rows, {len(valid)} valid rows")
+    train_x, train_rate = cached_features(engine, [t for t, _ in train], args.out, log)
+    valid_x, valid_rate = cached_features(engine, [t for t, _ in valid], args.out, log)
+    valid_gold = [label for _, label in valid]
+
+    rows, heads = [], {}
+    index = {label: j for j, label in enumerate(labels)}
+    train_y = np.array([index[label] for _, label in train])
+    settings = [(f"{args.per_intent or 'all'} per intent", list(range(len(train)))),
+                (f"{args.few} per intent", first_per_label([label for _, label in train], args.few))]
+    for name, keep in settings:
+        x, y = train_x[keep].numpy(), train_y[keep]
+        start = time.perf_counter()
+        tensors, cv = fit_head(x, y, TuneConfig(folds=min(args.folds, args.few)))
+        fit_s = time.perf_counter() - start
+        head = Head(tuple(labels), **tensors, meta=meta)
+        heads[name] = head
+        result = evaluate(head, valid_x, valid_gold)
+        rows.append({"train": name, "train_rows": len(y), "cv_accuracy": cv.accuracy, "cv_macro_f1": cv.macro_f1,
+                     "c": cv.c, "fit_s": round(fit_s, 1), "valid_accuracy": result["accuracy"],
+                     "valid_macro_f1": result["macro_f1"]})
+        log(f"{name}: valid accuracy {100 * result['accuracy']:.1f}%, macro-F1 {100 * result['macro_f1']:.1f}%")
+
+    # Items/s: classify with the head (tuned on the first setting) vs plain zero-shot, same rows and task.
+    speed_texts = [t for t, _ in valid[: args.speed_rows]]
+    head = heads[settings[0][0]]
+    head_engine = Engine.from_loaded(loaded, task, EngineConfig(), head=head)
+    head_preds, head_rate = timed(head_engine, speed_texts)
+    zero_preds, zero_rate = timed(engine, speed_texts)
+    expected = evaluate(head, valid_x[: len(speed_texts)], valid_gold[: len(speed_texts)])["predicted"]
+    same = sum(p.label == e for p, e in zip(head_preds, expected, strict=True))
+    zero_acc = sum(p.label == g for p, g in zip(zero_preds, valid_gold, strict=False)) / len(speed_texts)
+    speed = {"rows": len(speed_texts), "head_items_per_s": head_rate, "zero_shot_items_per_s": zero_rate,
+             "head_vs_zero_shot": head_rate / zero_rate, "zero_shot_accuracy": zero_acc,
+             "classify_equals_features": same, "feature_extraction_items_per_s": [train_rate, valid_rate]}
+    record = {"command": command, "machine": machine_info(loaded.threads), "model": args.model,
+              "dtype": args.dtype, "instructions": INSTRUCTIONS, "valid_rows": len(valid), "rows": rows,
+              "speed": speed}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "banking77.json").write_text(json.dumps(record, indent=2) + "\n")
+    print(markdown(record))
+
+
+def markdown(record: dict) -> str:
+    m, s = record["machine"], record["speed"]
+    lines = [f"`{record['command']}` — {record['model']} {record['dtype']}, {m['cpu']}, {m['threads']} threads, "
+             f"git {m['git_sha']}, {m['date']}; evaluated on the {record['valid_rows']} held-out `split=valid` rows",
+             "", "| head tuned on | train rows | CV accuracy | valid accuracy | valid macro-F1 |",
+             "|---|---:|---:|---:|---:|"]
+    for r in record["rows"]:
+        lines.append(f"| {r['train']} | {r['train_rows']} | {100 * r['cv_accuracy']:.1f}% | "
+                     f"{100 * r['valid_accuracy']:.1f}% | {100 * r['valid_macro_f1']:.1f}% |")
+    lines += ["", f"items/s on the first {s['rows']} valid rows: classify --head {s['head_items_per_s']:.2f}, "
+              f"plain zero-shot (77 labels) {s['zero_shot_items_per_s']:.2f} "
+              f"(ratio {s['head_vs_zero_shot']:.2f}; zero-shot accuracy there {100 * s['zero_shot_accuracy']:.0f}%); "
+              f"classify --head agrees with the head on the features on {s['classify_equals_features']}/{s['rows']}"]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
