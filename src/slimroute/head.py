@@ -14,6 +14,7 @@ A head loads only where that identity matches: anything else is a HeadMismatchEr
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -92,6 +93,14 @@ class Head:
                                     f"the task has {len(task.labels)} labels")
 
     @property
+    def digest(self) -> str:
+        """A short hash of the whole head (tensors and metadata), for a job's resume fingerprint."""
+        digest = hashlib.sha256(json.dumps([self.labels, self.features, self.meta], sort_keys=True).encode())
+        for tensor in (self.weight, self.bias, self.mean, self.std):
+            digest.update(tensor.to(torch.float64).contiguous().numpy().tobytes())
+        return digest.hexdigest()[:16]
+
+    @property
     def num_label_features(self) -> int:
         return len(self.meta["task"]["labels"]) if self.uses_label_logprobs else 0
 
@@ -109,6 +118,11 @@ class Head:
             meta = {"format": FORMAT, "version": FORMAT_VERSION, "labels": list(self.labels),
                     "features": self.features, **self.meta}
             (tmp / META).write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+            umask = os.umask(0)
+            os.umask(umask)
+            for path in (tmp / WEIGHTS, tmp / META):
+                path.chmod(0o666 & ~umask)
+            tmp.chmod(0o777 & ~umask)  # mkdtemp made it private
             if folder.exists():
                 shutil.rmtree(folder)
             os.replace(tmp, folder)

@@ -51,6 +51,19 @@ class CVReport:
         return {**asdict(self), "by_c": {str(c): acc for c, acc in self.by_c.items()}}
 
 
+def labelled_rows(rows, label_column: str) -> tuple[list[str], list[str]]:
+    """(texts, labels) of input rows (data.Row); a row without a usable text or label is a ValueError."""
+    texts, labels = [], []
+    for row in rows:
+        if row.error:
+            raise ValueError(f"row {row.index} (id {row.id}): {row.error}; every row needs a text to tune on")
+        if row.gold is None:
+            raise ValueError(f"row {row.index} (id {row.id}) has no label in column {label_column!r}")
+        texts.append(row.text)
+        labels.append(row.gold)
+    return texts, labels
+
+
 def check_labelled(texts: list[str], labels: list[str], folds: int) -> list[str]:
     """The distinct labels, sorted; ValueError naming the problem when tuning cannot work on these rows."""
     if len(texts) != len(labels):
@@ -126,5 +139,20 @@ def check_label_features(task: Task, classes: list[str], with_label_logprobs: bo
                          f"{list(task.labels)}, the rows {sorted(classes)}")
 
 
-def command_line() -> str:
-    return shlex.join(["slimroute", *sys.argv[1:]])
+def head_meta(model: str, dtype: str, input) -> dict:
+    """What head.json records about how the head was made (beside its identity, task and scores)."""
+    from slimroute.models import PACKAGED_MODELS
+
+    packaged = PACKAGED_MODELS.get(model)
+    return {"model": model, "model_sha256": packaged.sha256 if packaged else None, "dtype": dtype,
+            "input": str(input), "command": shlex.join(["slimroute", *sys.argv[1:]])}
+
+
+def summary_rows(head: Head, report: CVReport, labels: list[str]) -> list[tuple[str, str]]:
+    counts = Counter(labels)
+    return [("rows", f"{len(labels)} ({len(counts)} labels, {min(counts.values())} to {max(counts.values())} "
+                     "per label)"),
+            ("features", f"{head.features} ({head.weight.shape[1]})"),
+            ("C", f"{report.c:g} (of {', '.join(f'{c:g}' for c in report.by_c)})"),
+            ("CV accuracy", f"{100 * report.accuracy:.1f}%"),
+            ("CV macro-F1", f"{100 * report.macro_f1:.1f}%")]

@@ -11,6 +11,7 @@ import logging
 from dataclasses import replace
 
 from slimroute.config import EngineConfig
+from slimroute.head import HeadMismatchError
 from slimroute.server.app import ServerSettings, create_app
 from slimroute.server.microbatch import BatchSettings
 from slimroute.server.tasks import TaskSet, load_task_set
@@ -22,10 +23,11 @@ log = logging.getLogger(__name__)
 def serve(
     task_set: TaskSet, model: str, dtype: str = "auto", threads: int | None = None, device: str = "cpu",
     config: EngineConfig | None = None, settings: ServerSettings | None = None,
-    host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", access_log: bool = False,
+    host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", access_log: bool = False, head=None,
 ) -> int:
     """Load the model in the background (GET /ready turns 200 when done), serve until SIGTERM/SIGINT,
-    finish what was accepted, and return the exit code (1 if the model failed to load).
+    finish what was accepted, and return the exit code (1 if the model failed to load, 2 if it is not the
+    model, tokenizer or prompt the head was tuned with). head: a tuned Head deciding every task.
     A dtype this CPU cannot run raises cpu.UnsupportedDtypeError before anything starts."""
     import uvicorn
 
@@ -38,7 +40,7 @@ def serve(
         from slimroute.models import load_model
 
         loaded = load_model(model, choice.name, threads, device)
-        engines = {name: Engine.from_loaded(loaded, task, config) for name, task in task_set.tasks.items()}
+        engines = {name: Engine.from_loaded(loaded, task, config, head) for name, task in task_set.tasks.items()}
         log.warning("model %s loaded (%s, %d threads); serving tasks %s", model, choice, loaded.threads,
                     ", ".join(engines))
         return engines
@@ -53,4 +55,5 @@ def serve(
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                                            access_log=access_log))
     server.run()
-    return 1 if app.state.service.load_error else 0
+    error = app.state.service.load_error
+    return (2 if error.startswith(HeadMismatchError.__name__) else 1) if error else 0
