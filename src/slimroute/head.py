@@ -73,7 +73,8 @@ class Head:
         """The task (prompt) the head was tuned with."""
         spec = self.meta["task"]
         examples = tuple(Example(text, label) for text, label in spec.get("examples", []))
-        return Task(tuple(spec["labels"]), spec["instructions"], examples)
+        described = {"descriptions": tuple(map(tuple, spec["descriptions"]))} if spec.get("descriptions") else {}
+        return Task(tuple(spec["labels"]), spec["instructions"], examples, **described)
 
     def logprobs(self, hidden: torch.Tensor, label_logprobs: torch.Tensor | None = None) -> torch.Tensor:
         """(N, H) hidden states [+ (N, L) label log-probs] -> (N, C) float64 log-probs over the head's labels."""
@@ -178,8 +179,12 @@ def label_totals(token_logprobs: list) -> torch.Tensor:
 
 
 def task_spec(task: Task) -> dict:
-    return {"labels": list(task.labels), "instructions": task.instructions,
+    """The task as head.json keeps it (Head.task rebuilds it)."""
+    spec = {"labels": list(task.labels), "instructions": task.instructions,
             "examples": [[ex.text, ex.label] for ex in task.examples]}
+    if getattr(task, "descriptions", ()):  # label descriptions, where the task has them
+        spec["descriptions"] = [list(pair) for pair in task.descriptions]
+    return spec
 
 
 _WHAT = {"model_fingerprint": "model", "tokenizer_fingerprint": "tokenizer", "prompt_fingerprint": "prompt",

@@ -92,17 +92,21 @@ def fit_head(features: np.ndarray, y: np.ndarray, config: TuneConfig) -> tuple[d
     from sklearn.model_selection import StratifiedKFold, cross_val_predict
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler
+    from threadpoolctl import threadpool_limits
 
     def model(c: float):
         return LogisticRegression(C=c, max_iter=config.max_iter)
 
     folds = StratifiedKFold(config.folds, shuffle=True, random_state=config.seed)
-    oof = {c: cross_val_predict(make_pipeline(StandardScaler(), model(c)), features, y, cv=folds) for c in config.cs}
-    by_c = {c: float(accuracy_score(y, pred)) for c, pred in oof.items()}
-    best = max(config.cs, key=lambda c: (by_c[c], -c))  # ties: the stronger regularisation
-    report = CVReport(config.folds, best, by_c[best], float(f1_score(y, oof[best], average="macro")), by_c)
-    scaler = StandardScaler().fit(features)
-    final = model(best).fit(scaler.transform(features), y)
+    # BLAS threads as many as torch's (--threads): on a busy 2-core CPU, spare threads only spin (10x slower).
+    with threadpool_limits(limits=torch.get_num_threads()):
+        oof = {c: cross_val_predict(make_pipeline(StandardScaler(), model(c)), features, y, cv=folds)
+               for c in config.cs}
+        by_c = {c: float(accuracy_score(y, pred)) for c, pred in oof.items()}
+        best = max(config.cs, key=lambda c: (by_c[c], -c))  # ties: the stronger regularisation
+        report = CVReport(config.folds, best, by_c[best], float(f1_score(y, oof[best], average="macro")), by_c)
+        scaler = StandardScaler().fit(features)
+        final = model(best).fit(scaler.transform(features), y)
     weight, bias = final.coef_, final.intercept_
     if weight.shape[0] == 1:  # two labels: sklearn keeps one logit (label 1 vs 0); softmax([0, t]) = sigmoid(t)
         weight, bias = np.vstack([np.zeros_like(weight), weight]), np.concatenate([[0.0], bias])
