@@ -2,15 +2,16 @@
 
 Tunes heads (tune.py: the engine's last hidden states, cross-validated logistic regression) on
 `split=train` rows of data/banking77/train.csv and evaluates them on the held-out `split=valid` rows
-(1,001): on a deterministic balanced subset (the first --per-intent rows of each intent in file order;
-0: every train row) and on its first 8 per intent (616 rows). Then times `Engine.classify` with the head
-against plain zero-shot label scoring (the same 77-label task) on the first --speed-rows valid rows, and
-checks the classify path gives the same answers as the head applied to the extracted features.
+(1,001), once per --per-intent size: the first N rows of each intent in file order (every intent has at
+least 32 train rows, so N <= 32 is balanced; 0: every train row). Then times `Engine.classify` with the
+largest size's head against plain zero-shot label scoring (the same 77-label task) on the first
+--speed-rows valid rows, and checks the classify path gives the answers of the head on the cached features.
 
-Features are cached under --out (keyed by model identity, task and texts), so a rerun only refits.
+Features are cached under --out (text -> features, one file per model identity and task), so a rerun only
+extracts rows it has not seen and refits.
 Prints a Markdown table and writes one JSON record (command, git sha, CPU, threads, versions).
 
-    nice -n 10 python benchmarks/banking77.py --per-intent 24 --threads 1
+    nice -n 10 python benchmarks/banking77.py --per-intent 8 32 0 --threads 1
 """
 
 from __future__ import annotations
@@ -104,8 +105,8 @@ def main() -> None:
     parser.add_argument("--model", default="qwen2.5-coder-0.5b")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--per-intent", type=int, default=0, help="train rows per intent (0: all 9,002)")
-    parser.add_argument("--few", type=int, default=8, help="the small-data row: this many per intent")
+    parser.add_argument("--per-intent", type=int, nargs="+", default=[8, 0],
+                        help="one row per size: train rows per intent, at most (0: all 9,002 train rows)")
     parser.add_argument("--folds", type=int, default=5)
     parser.add_argument("--speed-rows", type=int, default=64, help="valid rows timed with and without the head")
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "banking77")
@@ -117,7 +118,8 @@ def main() -> None:
 
     splits = read_split(DATA)
     labels = sorted({label for _, label in splits["train"]})
-    train = [splits["train"][i] for i in first_per_label([label for _, label in splits["train"]], args.per_intent)]
+    largest = 0 if 0 in args.per_intent else max(args.per_intent)
+    train = [splits["train"][i] for i in first_per_label([label for _, label in splits["train"]], largest)]
     valid = splits["valid"]
     loaded = load_model(args.model, args.dtype, args.threads)
     task = Task(tuple(labels), INSTRUCTIONS)
@@ -133,12 +135,13 @@ def main() -> None:
     rows, heads = [], {}
     index = {label: j for j, label in enumerate(labels)}
     train_y = np.array([index[label] for _, label in train])
-    settings = [(f"{args.per_intent or 'all'} per intent", list(range(len(train)))),
-                (f"{args.few} per intent", first_per_label([label for _, label in train], args.few))]
+    sizes = sorted(args.per_intent, key=lambda n: n or len(train))
+    settings = [(f"up to {n} per intent" if n else "all train rows", first_per_label([lb for _, lb in train], n))
+                for n in sizes]
     for name, keep in settings:
         x, y = train_x[keep].numpy(), train_y[keep]
         start = time.perf_counter()
-        tensors, cv = fit_head(x, y, TuneConfig(folds=min(args.folds, args.few)))
+        tensors, cv = fit_head(x, y, TuneConfig(folds=min(args.folds, min(np.bincount(y)))))
         fit_s = time.perf_counter() - start
         head = Head(tuple(labels), **tensors, meta=meta)
         heads[name] = head
@@ -148,7 +151,7 @@ def main() -> None:
                      "valid_macro_f1": result["macro_f1"]})
         log(f"{name}: valid accuracy {100 * result['accuracy']:.1f}%, macro-F1 {100 * result['macro_f1']:.1f}%")
 
-    speed = measure_speed(loaded, task, heads[settings[0][0]], engine, valid[: args.speed_rows], valid_x)
+    speed = measure_speed(loaded, task, heads[settings[-1][0]], engine, valid[: args.speed_rows], valid_x)
     record = {"command": command, "machine": machine_info(loaded.threads), "model": args.model,
               "dtype": args.dtype, "instructions": INSTRUCTIONS, "valid_rows": len(valid), "rows": rows,
               "speed": speed, "feature_extraction_items_per_s": {"train": train_rate, "valid": valid_rate}}

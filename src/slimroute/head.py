@@ -48,6 +48,9 @@ class Head:
     meta: dict = field(default_factory=dict)  # identity, task, cv, version, command (see module docstring)
 
     def __post_init__(self):
+        for name in ("weight", "bias", "mean", "std"):  # float64 on the CPU: the head's own rounding stays negligible
+            object.__setattr__(self, name, torch.as_tensor(getattr(self, name)).to("cpu", torch.float64))
+        object.__setattr__(self, "labels", tuple(self.labels))
         if self.features not in FEATURE_SETS:
             raise ValueError(f"features must be one of {', '.join(FEATURE_SETS)}, got {self.features!r}")
         num_classes, num_features = self.weight.shape
@@ -194,7 +197,8 @@ _WHAT = {"model_fingerprint": "model", "tokenizer_fingerprint": "tokenizer", "pr
 def check_identity(tuned: dict, here: dict, tuned_model: str | None = None) -> None:
     for key, what in _WHAT.items():
         if tuned.get(key) != here[key]:
-            hint = {"model": f"load the model it was tuned with ({tuned_model!r}) or tune a new head",
+            named = f" ({tuned_model!r})" if tuned_model else ""
+            hint = {"model": f"load the model it was tuned with{named} or tune a new head",
                     "tokenizer": "load the model it was tuned with or tune a new head",
                     "prompt": "leave out --labels/--task/--instructions to use the head's own task, or tune again",
                     "hidden size": "tune a new head for this model"}[what]
