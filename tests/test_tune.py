@@ -78,7 +78,8 @@ def run(monkeypatch, model_dir):
 
 @pytest.fixture
 def head_dir(tmp_path, labelled, run) -> Path:
-    result = run("tune", labelled, "--label-column", "intent", "--out", tmp_path / "head", "--folds", "3")
+    result = run("tune", labelled, "--label-column", "intent", "--out", tmp_path / "head", "--folds", "3",
+                 "--dtype", "float32")
     assert result.exit_code == 0, result.output
     return tmp_path / "head"
 
@@ -103,10 +104,24 @@ def test_tune_writes_a_head_that_classify_and_verify_use(tmp_path, head_dir, lab
     assert "accuracy" in result.text
 
     for extra in (["--batch-size", "1"], ["--batch-size", "7", "--no-prefix-cache"], ["--batch-size", "32"]):
-        result = run("verify", labelled, "--head", head_dir, "--json", tmp_path / "v.json", *extra)
+        result = run("verify", labelled, "--head", head_dir, "--json", tmp_path / "v.json", "--dtype", "float32",
+                     *extra)
         assert result.exit_code == 0, result.output
         record = json.loads((tmp_path / "v.json").read_text())
         assert record["agreement"] == 1.0 and record["max_abs_logprob_diff"] <= 1e-4
+
+
+def test_a_head_tuned_in_float32_serves_int8(tmp_path, head_dir, labelled, run):
+    """The model fingerprint is the checkpoint's, taken before int8 smoothing rewrites the norms."""
+    from slimroute.int8 import int8_failure
+
+    if int8_failure() is not None:
+        pytest.skip(f"int8 does not run here: {int8_failure()}")
+    assert json.loads((head_dir / "head.json").read_text())["dtype"] == "float32"
+    result = run("verify", labelled, "--head", head_dir, "--dtype", "int8", "--json", tmp_path / "v.json")
+    assert result.exit_code == 0, result.output
+    record = json.loads((tmp_path / "v.json").read_text())
+    assert record["dtype"] == "int8" and record["agreement"] == 1.0 and record["max_abs_logprob_diff"] <= 1e-4
 
 
 def test_tune_with_label_log_probs_as_features(tmp_path, labelled, run):

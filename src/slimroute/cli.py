@@ -418,7 +418,7 @@ def tune(
             done = bar.tasks[0].completed + n
             bar.update(task_id, advance=n, rate=f"{done / (time.perf_counter() - start):.1f}")
 
-        meta = tuning.head_meta(model, dtype, input)
+        meta = tuning.head_meta(model, loaded.precision, input)
         head, report = tuning.tune_head(engine, texts, golds, config, classes, meta, advance)
     head.save(out, overwrite)
     table = Table(title=f"tuned head ({report.folds}-fold cross-validation)", show_header=False)

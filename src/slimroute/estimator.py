@@ -55,7 +55,7 @@ class SlimRouteClassifier(ClassifierMixin, BaseEstimator):
     with_label_logprobs: as in `slimroute tune` (TuneConfig). batch_size, max_batch_tokens: the engine's."""
 
     def __init__(self, model: str = DEFAULT_MODEL, *, mode: str = "head", instructions: str | None = None,
-                 dtype: str = "float32", threads: int | None = None, device: str = "cpu",
+                 dtype: str = "auto", threads: int | None = None, device: str = "cpu",
                  with_label_logprobs: bool = False, folds: int = 5, cs: tuple[float, ...] = DEFAULT_CS,
                  batch_size: int = 32, max_batch_tokens: int | None = 512):
         self.model = model
@@ -91,9 +91,10 @@ class SlimRouteClassifier(ClassifierMixin, BaseEstimator):
             raise ValueError(f"the classes {list(classes)} are not distinct as strings")
         config = TuneConfig(folds=self.folds, cs=tuple(self.cs), with_label_logprobs=self.with_label_logprobs)
         task = Task(tuple(names), self.instructions or DEFAULT_INSTRUCTIONS)
-        engine = Engine.from_loaded(self._loaded(), task, self._engine_config())
+        loaded = self._loaded()
+        engine = Engine.from_loaded(loaded, task, self._engine_config())
         head, report = tune_head(engine, texts, [str(label) for label in y], config, names,
-                                 {"model": self.model, "dtype": self.dtype})
+                                 {"model": self.model, "dtype": loaded.precision})
         self.classes_, self.head_, self.cv_ = classes, head, report
         self._engine = None  # built at the first predict, for this head
         return self

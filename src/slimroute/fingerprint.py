@@ -4,7 +4,8 @@ A tuned head (head.py) is only valid for the exact combination it was fitted on,
 and refuses any other. Each costs well under a second for a 0.5B model:
 - model: the config's shape fields, every norm weight and a strided sample of embedding rows, rounded
   to bfloat16 first so that the same checkpoint loaded in float32 or bfloat16 (or from its packaged name
-  or its converted folder) gives the same hash, while a fine-tune (which moves the norms) does not;
+  or its converted folder) gives the same hash, while a fine-tune (which moves the norms) does not.
+  load_model takes it before int8 folds its smoothing scales into the norms, so int8 matches too;
 - tokenizer: its full serialised definition (vocabulary, merges, normaliser, pre-tokeniser, added
   tokens) without runtime padding/truncation settings, plus its chat template;
 - prompt: the whole rendered prompt around a placeholder text (chat template, instructions, labels as
@@ -24,6 +25,7 @@ _PLACEHOLDER = "\u2063SLIMROUTE_TEXT\u2063"
 _CONFIG_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                   "intermediate_size", "vocab_size", "rope_theta", "tie_word_embeddings")
 _EMBEDDING_ROWS = 64
+_REMEMBERED = "_slimroute_fingerprint"
 
 
 def _sha(data: bytes) -> str:
@@ -35,6 +37,18 @@ def _bf16_bytes(tensor: torch.Tensor) -> bytes:
 
 
 def model_fingerprint(model) -> str:
+    """The checkpoint's hash; as remembered at load time when the weights were transformed since (int8)."""
+    return getattr(model, _REMEMBERED, None) or _weights_fingerprint(model)
+
+
+def remember_fingerprint(model) -> str:
+    """Hash the weights now, as loaded, and keep the hash on the model for model_fingerprint."""
+    fingerprint = _weights_fingerprint(model)
+    object.__setattr__(model, _REMEMBERED, fingerprint)  # a plain attribute beside the module's parameters
+    return fingerprint
+
+
+def _weights_fingerprint(model) -> str:
     digest = hashlib.sha256()
     config = model.config
     digest.update(json.dumps({k: getattr(config, k, None) for k in _CONFIG_FIELDS}, sort_keys=True).encode())
