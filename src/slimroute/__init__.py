@@ -16,5 +16,13 @@ from slimroute.config import EngineConfig
 from slimroute.labels import Prediction
 from slimroute.task import Example, Task
 
-__all__ = ["EngineConfig", "Example", "Prediction", "Task"]
+__all__ = ["EngineConfig", "Example", "Prediction", "SlimRouteClassifier", "Task"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name == "SlimRouteClassifier":  # imported on first use: it needs scikit-learn and torch
+        from slimroute.estimator import SlimRouteClassifier
+
+        return SlimRouteClassifier
+    raise AttributeError(f"module 'slimroute' has no attribute {name!r}")

@@ -7,6 +7,7 @@ import logging
 import shlex
 import sys
 import time
+from dataclasses import replace
 from itertools import islice
 from pathlib import Path
 
@@ -45,6 +46,8 @@ DECISION = typer.Option("greedy", "--decision", help="greedy or max-prob (see RE
 LIMIT = typer.Option(None, "--limit", help="Only the first N rows.")
 MAX_PADDING = typer.Option(0.0, "--max-padding", help="Cap on a batch's padded share of tokens (0: none; "
                                                         "batches are the cheapest split by default).")
+HEAD = typer.Option(None, "--head", help="A head folder from `slimroute tune`: its softmax over its labels decides; "
+                                          "the task (prompt) is the head's unless --labels/--task is given.")
 RECHECK = typer.Option(None, "--recheck-margin",
                        help="Re-decide near-ties (log-prob gap below this) on the exact one-at-a-time path. "
                             "Off by default: not needed on CPU, where bf16 is batch-invariant.")
@@ -65,6 +68,22 @@ def build_task(labels, instructions, task_file):
     if labels is None:
         fail("no labels: pass --labels a,b,c or --task task.yaml")
     return Task.from_labels(labels, instructions)
+
+
+def load_head(head_dir):
+    from slimroute.head import Head
+
+    return Head.load(head_dir) if head_dir else None
+
+
+def task_and_head(labels, instructions, task_file, head_dir):
+    """(task, head or None, answer labels); with a head and neither --labels nor --task, the head's own task."""
+    head = load_head(head_dir)
+    if head is not None and labels is None and task_file is None:
+        the_task = head.task if instructions is None else replace(head.task, instructions=instructions)
+    else:
+        the_task = build_task(labels, instructions, task_file)
+    return the_task, head, list(head.labels if head else the_task.labels)
 
 
 def engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort, decision, max_padding=0.0,
@@ -157,7 +176,7 @@ def classify(
     text_column: str = TEXT_COL, id_column: str = ID_COL, label_column: str = LABEL_COL,
     batch_size: int = BATCH, max_batch_tokens: int = MAX_TOKENS, no_prefix_cache: bool = NO_PREFIX,
     no_sort: bool = NO_SORT, decision: str = DECISION, limit: int = LIMIT,
-    max_padding: float = MAX_PADDING, recheck_margin: float = RECHECK,
+    max_padding: float = MAX_PADDING, recheck_margin: float = RECHECK, head: Path = HEAD,
     reference: bool = typer.Option(False, "--reference", help="Use the slow one-at-a-time reference path."),
     summary_json: Path = typer.Option(None, "--summary-json", help="Also write the summary as JSON."),
     window: int = typer.Option(2048, "--window", help="Rows read, classified and committed together."),
@@ -182,6 +201,8 @@ def classify(
 
     if backend not in ("local", "ray"):
         fail(f"--backend must be local or ray, got {backend!r}")
+    if head and (server or backend != "local"):
+        fail("--head runs on the local engine; leave out --server and --backend ray")
     if backend == "ray":
         return classify_on_ray(input, out, labels, instructions, task, model, dtype, text_column, id_column,
                                label_column, engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort,
@@ -196,8 +217,9 @@ def classify(
             remote = RemoteClassifier(server, server_task, api_key=api_key)
             served = Task(remote.labels())  # checks the address, the key and the task before anything is written
             the_task = build_task(labels, instructions, task) if (labels or task) else served
+            the_head, answers = None, list(the_task.labels)
         else:
-            the_task = build_task(labels, instructions, task)
+            the_task, the_head, answers = task_and_head(labels, instructions, task, head)
         config = engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort, decision, max_padding,
                                recheck_margin, dtype)
         job = JobConfig(window, limit, resume, overwrite, errors)
@@ -207,11 +229,12 @@ def classify(
             task=the_task, config=config, model=model, dtype=choice.name if choice else dtype, device=device,
             threads=threads or physical_cores(), reference=reference, window=job.window,
             columns=(text_column, id_column, label_column), limit=job.limit, errors=job.errors,
-            server=server, server_task=server_task,
+            server=server, server_task=server_task, head=the_head.digest if the_head else None,
         )
-        output = DurableOutput.prepare(out, list(the_task.labels), input_fingerprint(input), settings,
+        output = DurableOutput.prepare(out, answers, input_fingerprint(input), settings,
                                        resume=job.resume, overwrite=job.overwrite, errors=job.errors)
-        classifier = remote or make_classifier(load(model, dtype, threads, device), the_task, config, reference)
+        classifier = remote or make_classifier(load(model, dtype, threads, device), the_task, config, reference,
+                                               the_head)
     except (ValueError, ModelNotFoundError) as exc:
         fail(str(exc))
     except KeyboardInterrupt:
@@ -222,7 +245,7 @@ def classify(
     total = count_rows(input)
     if total is not None and job.limit:
         total = min(total, job.limit)
-    summary = JobSummary.from_state(list(the_task.labels), output.record.summary)
+    summary = JobSummary.from_state(answers, output.record.summary)
     summary.dtype = str(choice) if choice else None
     if output.resuming:
         console.print(f"resuming: {output.record.rows_done} rows ({output.record.windows_done} windows) "
@@ -296,14 +319,15 @@ def resume_command() -> str:
     return shlex.join(["slimroute", *args, *([] if "--resume" in args else ["--resume"])])
 
 
-def make_classifier(loaded, task, config: EngineConfig, reference: bool = False):
+def make_classifier(loaded, task, config: EngineConfig, reference: bool = False, head=None):
     if reference:
         from slimroute.reference import ReferenceClassifier
 
-        return ReferenceClassifier(loaded.model, loaded.tokenizer, task, config.decision, loaded.max_positions)
+        return ReferenceClassifier(loaded.model, loaded.tokenizer, task, config.decision, loaded.max_positions,
+                                   head)
     from slimroute.engine import Engine
 
-    return Engine.from_loaded(loaded, task, config)
+    return Engine.from_loaded(loaded, task, config, head)
 
 
 @app.command()
@@ -314,27 +338,30 @@ def verify(
     text_column: str = TEXT_COL, id_column: str = ID_COL, label_column: str = LABEL_COL,
     batch_size: int = BATCH, max_batch_tokens: int = MAX_TOKENS, no_prefix_cache: bool = NO_PREFIX,
     no_sort: bool = NO_SORT, decision: str = DECISION, limit: int = LIMIT,
-    max_padding: float = MAX_PADDING, recheck_margin: float = RECHECK,
+    max_padding: float = MAX_PADDING, recheck_margin: float = RECHECK, head: Path = HEAD,
     json_out: Path = typer.Option(None, "--json", help="Write the agreement record here."),
 ):
-    """Run the reference and the fast path on the same items; exit 1 on any disagreement."""
+    """Run the reference and the fast path on the same items; exit 1 on any disagreement.
+
+    With --head both apply the head, to the hidden state each computes; its log-probs are compared."""
     from slimroute.verify import compare
 
     try:
-        the_task = build_task(labels, instructions, task)
+        the_task, the_head, _ = task_and_head(labels, instructions, task, head)
         config = engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort, decision, max_padding,
                                recheck_margin, dtype)
         rows = read_input(input, text_column, id_column, label_column, limit)
         loaded = load(model, dtype, threads, device)
-        fast = make_classifier(loaded, the_task, config)
-        ref = make_classifier(loaded, the_task, config, reference=True)
+        fast = make_classifier(loaded, the_task, config, head=the_head)
+        ref = make_classifier(loaded, the_task, config, reference=True, head=the_head)
     except (ValueError, ModelNotFoundError) as exc:
         fail(str(exc))
     ref_preds, ref_s = run_with_progress(ref, rows, "reference")
     fast_preds, fast_s = run_with_progress(fast, rows, "fast path")
     result = compare([r.id for r in rows], ref_preds, fast_preds)
     record = {**result.to_dict(), "reference_s": ref_s, "fast_s": fast_s, "dtype": loaded.precision,
-              "dtype_reason": loaded.precision_reason, "model": model, "padding_overhead": fast.stats.padding.overhead}
+              "dtype_reason": loaded.precision_reason, "model": model, "padding_overhead": fast.stats.padding.overhead,
+              "head": str(head) if head else None}
     console.print(
         f"dtype {loaded.precision} ({loaded.precision_reason}): "
         f"label agreement {100 * result.agreement:.2f}% ({result.num_agree}/{result.num_items}), "
@@ -346,6 +373,61 @@ def verify(
     if json_out:
         json_out.write_text(json.dumps(record, indent=2))
     raise typer.Exit(0 if result.ok else 1)
+
+
+@app.command()
+def tune(
+    input: Path = typer.Argument(..., help="Labelled CSV, JSONL or Parquet file."),
+    out: Path = typer.Option(..., "--out", "-o", help="Folder for the head (head.safetensors + head.json)."),
+    text_column: str = TEXT_COL,
+    label_column: str = typer.Option("label", "--label-column", help="The column with each row's label."),
+    labels: str = LABELS, instructions: str = INSTRUCTIONS, task: Path = TASK,
+    model: str = MODEL, dtype: str = DTYPE, threads: int = THREADS, device: str = DEVICE,
+    batch_size: int = BATCH, max_batch_tokens: int = MAX_TOKENS, no_prefix_cache: bool = NO_PREFIX,
+    with_label_logprobs: bool = typer.Option(False, "--with-label-logprobs",
+                                             help="Also use the task labels' log-probs as features (the task's "
+                                                  "labels must then be the rows' labels)."),
+    folds: int = typer.Option(5, "--folds", help="Cross-validation folds (each label needs this many rows)."),
+    limit: int = LIMIT,
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the head already in --out."),
+):
+    """Tune a head on labelled rows: a logistic regression on the model's last hidden state, with
+    cross-validated regularisation. Prints the cross-validated accuracy and macro-F1 and writes OUT.
+
+    The prompt is --task/--labels if given, else the rows' labels (sorted) with --instructions."""
+    from slimroute import tune as tuning
+    from slimroute.head import check_out
+    from slimroute.task import DEFAULT_INSTRUCTIONS, Task
+
+    try:
+        check_out(out, overwrite)
+        config = tuning.TuneConfig(folds=folds, with_label_logprobs=with_label_logprobs)
+        texts, golds = tuning.labelled_rows(read_input(input, text_column, "id", label_column, limit), label_column)
+        classes = tuning.check_labelled(texts, golds, config.folds)
+        the_task = (build_task(labels, instructions, task) if labels or task
+                    else Task(tuple(classes), instructions or DEFAULT_INSTRUCTIONS))
+        tuning.check_label_features(the_task, classes, with_label_logprobs)
+        loaded = load(model, dtype, threads, device)
+        engine = make_classifier(loaded, the_task, engine_config(batch_size, max_batch_tokens, no_prefix_cache,
+                                                                 False, "greedy"))
+    except (ValueError, ModelNotFoundError) as exc:
+        fail(str(exc))
+    with progress_bar() as bar:
+        task_id = bar.add_task("features", total=len(texts), rate="-")
+        start = time.perf_counter()
+
+        def advance(n):
+            done = bar.tasks[0].completed + n
+            bar.update(task_id, advance=n, rate=f"{done / (time.perf_counter() - start):.1f}")
+
+        meta = tuning.head_meta(model, loaded.precision, input)
+        head, report = tuning.tune_head(engine, texts, golds, config, classes, meta, advance)
+    head.save(out, overwrite)
+    table = Table(title=f"tuned head ({report.folds}-fold cross-validation)", show_header=False)
+    for name, value in tuning.summary_rows(head, report, golds):
+        table.add_row(name, value)
+    console.print(table)
+    console.print(f"wrote {out / 'head.safetensors'} and {out / 'head.json'}")
 
 
 @app.command()
@@ -450,7 +532,7 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(8000, "--port"),
     batch_size: int = BATCH, max_batch_tokens: int = MAX_TOKENS, max_padding: float = MAX_PADDING,
-    recheck_margin: float = RECHECK,
+    recheck_margin: float = RECHECK, head: Path = HEAD,
     max_gather_tokens: int = typer.Option(
         8192, "--max-gather-tokens", help="Item tokens gathered from the queue into one engine call (0: no cap)."
     ),
@@ -468,12 +550,16 @@ def serve(
     metrics_need_key: bool = typer.Option(False, "--metrics-need-key", help="Put /metrics behind the key too."),
 ):
     """Serve classification over HTTP, micro-batching concurrent requests (docs/server.md)."""
-    from slimroute.server import prepare
+    from slimroute.server import TaskSet, prepare
     from slimroute.server import serve as run_server
 
     try:
+        the_head, head_tasks = None, None
+        if head:  # one task: the head's, or the one given (which must be the prompt it was tuned with)
+            single, the_head, _ = task_and_head(labels, instructions, task, head)
+            head_tasks = TaskSet({single.name: single}, single.name)
         task_set, settings = prepare(
-            task_file=task, labels=labels, instructions=instructions, batch_size=batch_size,
+            task_file=task, labels=labels, instructions=instructions, batch_size=batch_size, tasks=head_tasks,
             max_gather_tokens=max_gather_tokens, max_wait_ms=max_wait_ms, max_queue=max_queue, max_texts=max_texts,
             max_text_chars=max_text_chars, max_text_tokens=max_text_tokens, max_body_bytes=max_body_bytes,
             api_keys=api_key, api_key_file=api_key_file, metrics_need_key=metrics_need_key)
@@ -485,7 +571,7 @@ def serve(
     console.print(f"serving {', '.join(task_set.tasks)} on http://{host}:{port} (docs: /docs), loading {model} "
                   f"({choice})")
     raise typer.Exit(run_server(task_set, model, dtype, threads, device, config, settings, host, port,
-                                access_log=access_log))
+                                access_log=access_log, head=the_head))
 
 
 def main():

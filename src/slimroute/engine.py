@@ -3,7 +3,9 @@
 Per batch: right-padded item ids run after an expanded copy of the prefix cache (positions
 continue after the prefix), the hidden state at each item's last real token is scored against
 the label tokens' head rows, and each multi-token label's continuation is scored in one extra
-batched step over a non-mutating copy of the batch's cache.
+batched step over a non-mutating copy of the batch's cache. With a tuned head (head.py) that same
+hidden state (and, if the head uses them, the label log-probs) goes through the head instead, whose
+labels are the answers; `features` hands the head's inputs out for tuning.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from transformers import DynamicCache
 
 from slimroute.batching import PaddingStats, pad_right, plan_batches
 from slimroute.config import EngineConfig
+from slimroute.head import head_features, label_totals
 from slimroute.labels import Prediction, decision_margin, make_prediction
 from slimroute.prefix_cache import PrefixCache, continue_cache
 from slimroute.scoring import LabelScorer
@@ -42,14 +45,20 @@ class EngineStats:
 
 class Engine:
     def __init__(self, model, tokenizer, task: Task, config: EngineConfig | None = None, max_positions=None,
-                 recheck=None):
+                 recheck=None, head=None):
         """recheck: a callable text -> Prediction (the reference's classify_one) used for near-ties
-        when config.recheck_margin is set."""
+        when config.recheck_margin is set. head: a tuned Head (head.py) that decides instead of the label
+        tokens; it must have been tuned on this model, tokenizer and task (else HeadMismatchError)."""
         self.model, self.tokenizer, self.task = model, tokenizer, task
         self.config = config or EngineConfig()
         self.max_positions = max_positions or int(getattr(model.config, "max_position_embeddings", 32768))
         self.prompt = Prompt(task, tokenizer, self.max_positions)
         self.label_ids = self.prompt.label_ids
+        if head is not None:
+            head.check(model, tokenizer, task)
+        self.head = head
+        self.labels = head.labels if head else task.labels  # the answers
+        self.answer_ids = head.answer_ids if head else self.label_ids  # what the decision rule walks
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.device = next(model.parameters()).device
         tokens = [tok for ids in self.label_ids for tok in ids]
@@ -59,12 +68,13 @@ class Engine:
         if self.config.recheck_margin is not None and recheck is None:
             from slimroute.reference import ReferenceClassifier
 
-            recheck = ReferenceClassifier(model, tokenizer, task, self.config.decision, self.max_positions).classify_one
+            recheck = ReferenceClassifier(model, tokenizer, task, self.config.decision, self.max_positions,
+                                          head).classify_one
         self.recheck = recheck
 
     @classmethod
-    def from_loaded(cls, loaded, task: Task, config: EngineConfig | None = None) -> Engine:
-        return cls(loaded.model, loaded.tokenizer, task, config, loaded.max_positions)
+    def from_loaded(cls, loaded, task: Task, config: EngineConfig | None = None, head=None) -> Engine:
+        return cls(loaded.model, loaded.tokenizer, task, config, loaded.max_positions, head=head)
 
     def encode(self, texts: list[str]) -> tuple[list[list[int]], list[bool]]:
         fitted = [self.prompt.fit_text(t) for t in texts]
@@ -91,14 +101,14 @@ class Engine:
             run.padding.add([lengths[i] for i in batch])
             run.num_batches += 1
             for i, lps in zip(batch, token_logprobs, strict=True):
-                if cfg.recheck_margin is not None and decision_margin(cfg.decision, self.label_ids, lps) < (
+                if cfg.recheck_margin is not None and decision_margin(cfg.decision, self.answer_ids, lps) < (
                     cfg.recheck_margin
                 ):
                     results[i] = self.recheck(texts[i])
                     run.num_rechecked += 1
                     continue
                 results[i] = make_prediction(
-                    self.task.labels, self.label_ids, lps, cfg.decision, self._prompt_len(lengths[i]), truncated[i]
+                    self.labels, self.answer_ids, lps, cfg.decision, self._prompt_len(lengths[i]), truncated[i]
                 )
             if progress:
                 progress(len(batch))
@@ -110,11 +120,38 @@ class Engine:
         self.stats.merge(run)
         return results
 
+    @torch.inference_mode()
+    def features(self, texts: list[str], with_label_logprobs: bool = False, progress=None) -> torch.Tensor:
+        """(N, F) float64 inputs of a head, in input order: each item's last hidden state (H), then, if asked,
+        each task label's log-prob (L). The same batches and forward passes as classify."""
+        item_ids, _ = self.encode(texts)
+        lengths = [len(ids) for ids in item_ids]
+        rows: list[torch.Tensor | None] = [None] * len(texts)
+        cfg = self.config
+        for batch in plan_batches(lengths, cfg.batch_size, cfg.max_batch_tokens, cfg.sort, cfg.max_padding,
+                                  cfg.batch_overhead_tokens):
+            last, state = self._forward([item_ids[i] for i in batch])  # (B, H)
+            label_lps = label_totals(self._label_logprobs(last, *state)) if with_label_logprobs else None
+            for i, row in zip(batch, head_features(last, label_lps), strict=True):  # (B, F)
+                rows[i] = row
+            if progress:
+                progress(len(batch))
+        return torch.stack(rows) if rows else torch.empty(0, 0, dtype=torch.float64)
+
     def _prompt_len(self, item_len: int) -> int:
         return item_len + (self.prefix.length if self.prefix else 0)
 
     def _score_batch(self, seqs: list[list[int]]) -> list[list[list[float]]]:
-        """token_logprobs[row][label][k] for one batch."""
+        """token_logprobs[row][label][k] for one batch; with a head, its log-probs (one step per head label)."""
+        last, state = self._forward(seqs)  # (B, H)
+        if self.head is not None:
+            label_lps = self._label_logprobs(last, *state) if self.head.uses_label_logprobs else None
+            return self.head.token_logprobs(last, label_lps)
+        return self._label_logprobs(last, *state)
+
+    def _forward(self, seqs: list[list[int]]):
+        """One pass over a right-padded batch behind the prefix: the final-norm hidden state at each item's
+        last real token, and (cache, mask, ends) for the label scorer."""
         input_ids, item_mask, lengths = pad_right(seqs, self.pad_id)  # (B, L), (B, L), (B,)
         input_ids, item_mask, lengths = input_ids.to(self.device), item_mask.to(self.device), lengths.to(self.device)
         batch, width = input_ids.shape
@@ -128,12 +165,17 @@ class Engine:
             cache=cache, use_cache=True,
         )
         last = out.last_hidden_state[torch.arange(batch, device=self.device), lengths - 1]  # (B, H)
+        return last, (cache, mask, lengths + offset)
+
+    def _label_logprobs(self, last, cache, mask, ends) -> list[list[list[float]]]:
+        """token_logprobs[row][label][k] from the batch's last hidden states (B, H) and its cache."""
+        batch = last.shape[0]
         first = self.scorer.logprobs(last)  # (B, K)
         col = self.scorer.column
         scores = [[[float(first[row, col[ids[0]]])] for ids in self.label_ids] for row in range(batch)]
         for j, ids in enumerate(self.label_ids):
             if len(ids) > 1:
-                cont = self._continuation(cache, mask, lengths + offset, ids)  # (B, n-1, K)
+                cont = self._continuation(cache, mask, ends, ids)  # (B, n-1, K)
                 for row in range(batch):
                     scores[row][j].extend(float(cont[row, k, col[tok]]) for k, tok in enumerate(ids[1:]))
         return scores

@@ -60,9 +60,9 @@ def run_job(classifier, rows: Iterable[Row], output, summary: JobSummary, window
 
 def job_settings(*, task, config, model: str, dtype: str, device: str, threads: int, reference: bool,
                  window: int, columns: tuple, limit: int | None, errors: Path | None,
-                 server: str | None = None, server_task: str | None = None) -> dict:
+                 server: str | None = None, server_task: str | None = None, head: str | None = None) -> dict:
     """Everything that can change the output's bytes; a job resumes only when these are unchanged
-    (with --server the answers come from that server and task, so they count too)."""
+    (with --server the answers come from that server and task, so they count too; with --head, its digest)."""
     import torch
     import transformers
 
@@ -77,6 +77,7 @@ def job_settings(*, task, config, model: str, dtype: str, device: str, threads: 
         "errors": str(Path(errors).resolve()) if errors else None,
         "server": server.rstrip("/") if server else None, "server_task": server_task if server else None,
         "torch": torch.__version__, "transformers": transformers.__version__,
+        **({"head": head} if head else {}),
     }
 
 

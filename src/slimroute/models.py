@@ -281,6 +281,9 @@ def load_model(
     except OSError as exc:
         raise ModelNotFoundError(f"could not load model {spec!r}: {exc}\n{packaged_help()}") from exc
     model.to(device).eval()
+    from slimroute.fingerprint import remember_fingerprint
+
+    remember_fingerprint(model)  # of the checkpoint's weights, before int8 smoothing changes its norms (head.py)
     if choice.name == "int8":
         from slimroute.int8 import int8_cache_file, quantize_model
 

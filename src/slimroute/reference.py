@@ -2,7 +2,9 @@
 
 For every context the decision needs (the prompt, then the prompt plus each proper prefix of
 a multi-token label) it runs the whole model over the whole sequence and takes the full-vocabulary
-log-softmax at the last position. Every fast path is tested against this.
+log-softmax at the last position. With a tuned head it runs the whole prompt once more for the
+final-norm hidden state at the last position and applies the head to it. Every fast path is tested
+against this.
 """
 
 from __future__ import annotations
@@ -14,8 +16,12 @@ from slimroute.task import Prompt, Task, encode, render_prompt
 
 
 class ReferenceClassifier:
-    def __init__(self, model, tokenizer, task: Task, decision: str = "greedy", max_positions: int = 32768):
+    def __init__(self, model, tokenizer, task: Task, decision: str = "greedy", max_positions: int = 32768,
+                 head=None):
         self.model, self.tokenizer, self.task = model, tokenizer, task
+        if head is not None:
+            head.check(model, tokenizer, task)
+        self.head = head
         self.decision = check_decision(decision)
         # Only label tokenisation and the context-length policy are shared with the fast path.
         self.prompt = Prompt(task, tokenizer, max_positions)
@@ -28,9 +34,26 @@ class ReferenceClassifier:
         logits = self.model(input_ids=input_ids, use_cache=False, logits_to_keep=1).logits  # (1, 1, V)
         return torch.log_softmax(logits[0, -1].float(), dim=-1)
 
+    @torch.inference_mode()
+    def _last_hidden(self, ids: list[int]) -> torch.Tensor:
+        device = next(self.model.parameters()).device
+        out = self.model(input_ids=torch.tensor([ids], device=device), use_cache=False, logits_to_keep=1,
+                         output_hidden_states=True)
+        return out.hidden_states[-1][:, -1]  # (1, H): the last layer's entry is after the final norm
+
     def classify_one(self, text: str) -> Prediction:
         text, truncated = self.prompt.fit_text(text)
         prompt_ids = encode(self.tokenizer, render_prompt(self.tokenizer, self.task, text))
+        if self.head is not None:
+            label_lps = [self._label_logprobs(prompt_ids)] if self.head.uses_label_logprobs else None
+            lps = self.head.token_logprobs(self._last_hidden(prompt_ids), label_lps)[0]
+            return make_prediction(self.head.labels, self.head.answer_ids, lps, self.decision, len(prompt_ids),
+                                   truncated)
+        return make_prediction(self.task.labels, self.label_ids, self._label_logprobs(prompt_ids), self.decision,
+                               len(prompt_ids), truncated)
+
+    def _label_logprobs(self, prompt_ids: list[int]) -> list[list[float]]:
+        """token_logprobs[label][k] = log p(label's k-th token | prompt + its first k tokens)."""
         memo: dict[tuple[int, ...], torch.Tensor] = {}
         token_logprobs = []
         for ids in self.label_ids:
@@ -41,9 +64,7 @@ class ReferenceClassifier:
                     memo[context] = self._next_token_logprobs(prompt_ids + list(context))
                 lps.append(float(memo[context][token]))
             token_logprobs.append(lps)
-        return make_prediction(
-            self.task.labels, self.label_ids, token_logprobs, self.decision, len(prompt_ids), truncated
-        )
+        return token_logprobs
 
     def classify(self, texts: list[str], progress=None) -> list[Prediction]:
         preds = []

@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from slimroute.config import EngineConfig
+from slimroute.head import HeadMismatchError
 from slimroute.server.app import ServerSettings, create_app
 from slimroute.server.auth import ApiKeys, gather_keys, is_loopback
 from slimroute.server.microbatch import BatchSettings
@@ -30,7 +31,7 @@ def prepare(
     batch_size: int = 32, max_gather_tokens: int = 8192, max_wait_ms: float = 50.0, max_queue: int = 1024,
     max_texts: int = 256, max_text_chars: int = 20_000, max_text_tokens: int = 2048, max_body_bytes: int = 1 << 20,
     api_keys: Iterable[str] | None = None, api_key_file: str | Path | None = None, metrics_need_key: bool = False,
-    environ: Mapping[str, str] | None = None,
+    environ: Mapping[str, str] | None = None, tasks: TaskSet | None = None,
 ) -> tuple[TaskSet, ServerSettings]:
     """`slimroute serve`'s flags -> (tasks, settings); 0 means no cap for the gather and token limits.
     Keys: `api_keys` and the file's, else $SLIMROUTE_API_KEY (auth.gather_keys). Raises ValueError."""
@@ -38,7 +39,9 @@ def prepare(
 
     if task_file and labels:
         raise ValueError("give either --task or --labels, not both")
-    if task_file:
+    if tasks is not None:  # already built (a tuned head's task)
+        task_set = tasks
+    elif task_file:
         task_set = load_task_set(task_file)
     elif labels is None:
         raise ValueError("no labels: pass --labels a,b,c or --task task.yaml")
@@ -59,10 +62,11 @@ def prepare(
 def serve(
     task_set: TaskSet, model: str, dtype: str = "auto", threads: int | None = None, device: str = "cpu",
     config: EngineConfig | None = None, settings: ServerSettings | None = None,
-    host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", access_log: bool = False,
+    host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", access_log: bool = False, head=None,
 ) -> int:
     """Load the model in the background (GET /ready turns 200 when done), serve until SIGTERM/SIGINT,
-    finish what was accepted, and return the exit code (1 if the model failed to load).
+    finish what was accepted, and return the exit code (1 if the model failed to load, 2 if it is not the
+    model, tokenizer or prompt the head was tuned with). head: a tuned Head deciding every task.
     A dtype this CPU cannot run raises cpu.UnsupportedDtypeError before anything starts."""
     import uvicorn
 
@@ -75,7 +79,7 @@ def serve(
         from slimroute.models import load_model
 
         loaded = load_model(model, choice.name, threads, device)
-        engines = {name: Engine.from_loaded(loaded, task, config) for name, task in task_set.tasks.items()}
+        engines = {name: Engine.from_loaded(loaded, task, config, head) for name, task in task_set.tasks.items()}
         log.warning("model %s loaded (%s, %d threads); serving tasks %s", model, choice, loaded.threads,
                     ", ".join(engines))
         return engines
@@ -93,4 +97,5 @@ def serve(
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                                            access_log=access_log))
     server.run()
-    return 1 if app.state.service.load_error else 0
+    error = app.state.service.load_error
+    return (2 if error.startswith(HeadMismatchError.__name__) else 1) if error else 0

@@ -218,8 +218,9 @@ class Service:
             self.batcher.close()
 
     def info(self) -> dict:
-        tasks = [{"name": name, "labels": list(e.task.labels), "instructions": e.task.instructions,
-                  "num_examples": len(e.task.examples), "default": name == self.default_task}
+        tasks = [{"name": name, "labels": list(getattr(e, "labels", e.task.labels)),  # a head's labels, if any
+                  "instructions": e.task.instructions, "num_examples": len(e.task.examples),
+                  "default": name == self.default_task}
                  for name, e in self.engines.items()]
         s = self.settings
         limits = {"max_texts": s.max_texts, "max_text_chars": s.max_text_chars,

@@ -1,0 +1,206 @@
+"""A tuned head: a linear classifier on each item's last hidden state (optionally + its label log-probs).
+
+The features are what the label scorer already computes (the final-norm hidden state at the item's last
+token, and the task labels' exact log-probs), so a head costs no extra forward pass. They are
+standardised with the training mean/std, then softmax(W z + b) over the head's labels decides; both the
+fast path and the reference apply this same head, so `verify` compares the hidden states behind it.
+
+On disk, a folder:
+  head.safetensors  weight (C, F), bias (C,), mean (F,), std (F,) in float64
+  head.json         labels, feature set, the task (prompt) it was tuned with, the identity of the model,
+                    tokenizer and prompt (fingerprint.py), the cross-validated scores, version, command
+A head loads only where that identity matches: anything else is a HeadMismatchError.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from slimroute.fingerprint import identity
+from slimroute.task import Example, Task
+
+FORMAT = "slimroute-head"
+FORMAT_VERSION = 1
+FEATURE_SETS = ("hidden", "hidden+label-logprobs")
+WEIGHTS, META = "head.safetensors", "head.json"
+
+
+class HeadMismatchError(ValueError):
+    """The head was tuned for another model, tokenizer or prompt; the message says which."""
+
+
+@dataclass(frozen=True)
+class Head:
+    labels: tuple[str, ...]
+    weight: torch.Tensor  # (C, F) on standardised features
+    bias: torch.Tensor  # (C,)
+    mean: torch.Tensor  # (F,)
+    std: torch.Tensor  # (F,)
+    features: str = "hidden"
+    meta: dict = field(default_factory=dict)  # identity, task, cv, version, command (see module docstring)
+
+    def __post_init__(self):
+        for name in ("weight", "bias", "mean", "std"):  # float64 on the CPU: the head's own rounding stays negligible
+            object.__setattr__(self, name, torch.as_tensor(getattr(self, name)).to("cpu", torch.float64))
+        object.__setattr__(self, "labels", tuple(self.labels))
+        if self.features not in FEATURE_SETS:
+            raise ValueError(f"features must be one of {', '.join(FEATURE_SETS)}, got {self.features!r}")
+        num_classes, num_features = self.weight.shape
+        if len(self.labels) != num_classes or len(set(self.labels)) != num_classes or num_classes < 2:
+            raise ValueError(f"labels: expected {num_classes} distinct labels (>= 2), got {list(self.labels)}")
+        if self.bias.shape != (num_classes,) or self.mean.shape != (num_features,) or self.std.shape != (
+            num_features,
+        ):
+            raise ValueError(f"head tensors do not fit together: weight {tuple(self.weight.shape)}, bias "
+                             f"{tuple(self.bias.shape)}, mean {tuple(self.mean.shape)}, std {tuple(self.std.shape)}")
+
+    @property
+    def uses_label_logprobs(self) -> bool:
+        return self.features == "hidden+label-logprobs"
+
+    @property
+    def answer_ids(self) -> list[tuple[int, ...]]:
+        """One distinct pseudo-token per head label: both decision rules then take the argmax (first on ties)."""
+        return [(j,) for j in range(len(self.labels))]
+
+    @property
+    def task(self) -> Task:
+        """The task (prompt) the head was tuned with."""
+        spec = self.meta["task"]
+        examples = tuple(Example(text, label) for text, label in spec.get("examples", []))
+        described = {"descriptions": tuple(map(tuple, spec["descriptions"]))} if spec.get("descriptions") else {}
+        return Task(tuple(spec["labels"]), spec["instructions"], examples, **described)
+
+    def logprobs(self, hidden: torch.Tensor, label_logprobs: torch.Tensor | None = None) -> torch.Tensor:
+        """(N, H) hidden states [+ (N, L) label log-probs] -> (N, C) float64 log-probs over the head's labels."""
+        z = (head_features(hidden, label_logprobs) - self.mean) / self.std  # (N, F)
+        return torch.log_softmax(z @ self.weight.T + self.bias, dim=-1)  # (N, C)
+
+    def token_logprobs(self, hidden: torch.Tensor, label_token_logprobs: list | None = None) -> list:
+        """The engine's per-row shape: [row][head label][0], one step per label (see answer_ids)."""
+        totals = label_totals(label_token_logprobs) if self.uses_label_logprobs else None
+        return [[[lp] for lp in row] for row in self.logprobs(hidden, totals).tolist()]
+
+    def check(self, model, tokenizer, task: Task) -> None:
+        """Raise HeadMismatchError unless the model, tokenizer and prompt are the ones the head was tuned with."""
+        check_identity(self.meta.get("identity", {}), identity(model, tokenizer, task), self.meta.get("model"))
+        if self.uses_label_logprobs and len(task.labels) != self.num_label_features:
+            raise HeadMismatchError(f"the head uses {self.num_label_features} label log-probs as features; "
+                                    f"the task has {len(task.labels)} labels")
+
+    @property
+    def digest(self) -> str:
+        """A short hash of the whole head (tensors and metadata), for a job's resume fingerprint."""
+        digest = hashlib.sha256(json.dumps([self.labels, self.features, self.meta], sort_keys=True).encode())
+        for tensor in (self.weight, self.bias, self.mean, self.std):
+            digest.update(tensor.to(torch.float64).contiguous().numpy().tobytes())
+        return digest.hexdigest()[:16]
+
+    @property
+    def num_label_features(self) -> int:
+        return len(self.meta["task"]["labels"]) if self.uses_label_logprobs else 0
+
+    def save(self, folder: str | Path, overwrite: bool = False) -> Path:
+        """Write both files into a fresh temporary folder, then rename it into place."""
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        check_out(folder, overwrite)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.tmp-"))
+        try:
+            tensors = {"weight": self.weight, "bias": self.bias, "mean": self.mean, "std": self.std}
+            save_file({k: v.to(torch.float64).contiguous() for k, v in tensors.items()}, str(tmp / WEIGHTS))
+            meta = {"format": FORMAT, "version": FORMAT_VERSION, "labels": list(self.labels),
+                    "features": self.features, **self.meta}
+            (tmp / META).write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+            umask = os.umask(0)
+            os.umask(umask)
+            for path in (tmp / WEIGHTS, tmp / META):
+                path.chmod(0o666 & ~umask)
+            tmp.chmod(0o777 & ~umask)  # mkdtemp made it private
+            if folder.exists():
+                shutil.rmtree(folder)
+            os.replace(tmp, folder)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        return folder
+
+    @classmethod
+    def load(cls, folder: str | Path) -> Head:
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        if not (folder / META).is_file() or not (folder / WEIGHTS).is_file():
+            raise ValueError(f"head {str(folder)!r} is not a head folder (needs {META} and {WEIGHTS}); "
+                             "make one with `slimroute tune`")
+        try:
+            meta = json.loads((folder / META).read_text(encoding="utf-8"))
+            tensors = load_file(str(folder / WEIGHTS))
+        except (ValueError, SafetensorError) as exc:
+            raise ValueError(f"head {str(folder)!r} is unreadable: {exc}") from None
+        if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
+            raise ValueError(f"head {str(folder)!r} has format {meta.get('format')!r} version "
+                             f"{meta.get('version')!r}; this slimroute reads {FORMAT} version {FORMAT_VERSION}")
+        meta = {k: v for k, v in meta.items() if k not in ("format", "version")}
+        labels, features = tuple(meta.pop("labels")), meta.pop("features")
+        return cls(labels, tensors["weight"], tensors["bias"], tensors["mean"], tensors["std"], features, meta)
+
+
+def check_out(folder: Path, overwrite: bool = False) -> None:
+    """A head goes into a new or empty folder, or replaces a head with --overwrite; never other files."""
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"--out {str(folder)!r} is a file; give a folder for the head")
+    names = {p.name for p in folder.iterdir()} if folder.is_dir() else set()
+    if names - {WEIGHTS, META}:
+        raise ValueError(f"--out {str(folder)!r} holds other files; give a new or empty folder for the head")
+    if names and not overwrite:
+        raise ValueError(f"--out {str(folder)!r} already holds a head; pass --overwrite to replace it")
+
+
+def head_features(hidden: torch.Tensor, label_logprobs: torch.Tensor | None = None) -> torch.Tensor:
+    """(N, H) [+ (N, L)] -> (N, F) float64: the hidden state, then each task label's total log-prob."""
+    hidden = hidden.to("cpu", torch.float64)
+    if label_logprobs is None:
+        return hidden
+    return torch.cat([hidden, label_logprobs.to("cpu", torch.float64)], dim=1)
+
+
+def label_totals(token_logprobs: list) -> torch.Tensor:
+    """token_logprobs[row][label][k] -> (N, L) float64 totals (each label's log-prob, summed over its tokens)."""
+    return torch.tensor([[sum(lps) for lps in row] for row in token_logprobs], dtype=torch.float64)
+
+
+def task_spec(task: Task) -> dict:
+    """The task as head.json keeps it (Head.task rebuilds it)."""
+    spec = {"labels": list(task.labels), "instructions": task.instructions,
+            "examples": [[ex.text, ex.label] for ex in task.examples]}
+    if getattr(task, "descriptions", ()):  # label descriptions, where the task has them
+        spec["descriptions"] = [list(pair) for pair in task.descriptions]
+    return spec
+
+
+_WHAT = {"model_fingerprint": "model", "tokenizer_fingerprint": "tokenizer", "prompt_fingerprint": "prompt",
+         "hidden_size": "hidden size"}
+
+
+def check_identity(tuned: dict, here: dict, tuned_model: str | None = None) -> None:
+    for key, what in _WHAT.items():
+        if tuned.get(key) != here[key]:
+            named = f" ({tuned_model!r})" if tuned_model else ""
+            hint = {"model": f"load the model it was tuned with{named} or tune a new head",
+                    "tokenizer": "load the model it was tuned with or tune a new head",
+                    "prompt": "leave out --labels/--task/--instructions to use the head's own task, or tune again",
+                    "hidden size": "tune a new head for this model"}[what]
+            raise HeadMismatchError(f"the head was tuned for another {what} ({key} {tuned.get(key)!r}, "
+                                    f"here {here[key]!r}); {hint}")

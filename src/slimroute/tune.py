@@ -1,0 +1,162 @@
+"""Tune a head on labelled texts: features from the fast engine, a cross-validated logistic regression.
+
+`tune_head(engine, texts, labels)`: every text runs once through the engine (batched, prefix cache), its
+head features (engine.features) are standardised, and a multinomial LogisticRegression is fitted for each
+regularisation strength C of a small grid under stratified K-fold cross-validation (the scaler is fitted
+inside each fold). The C with the best out-of-fold accuracy is refitted on all rows; its out-of-fold
+accuracy and macro-F1 are reported (slightly optimistic: C is chosen on those same folds).
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from collections import Counter
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from slimroute.head import Head, task_spec
+from slimroute.task import Task
+
+DEFAULT_CS = (0.01, 0.1, 1.0)
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    folds: int = 5  # stratified cross-validation folds; every label needs at least this many examples
+    cs: tuple[float, ...] = DEFAULT_CS  # inverse regularisation strengths tried
+    with_label_logprobs: bool = False  # add the task labels' log-probs to the hidden state as features
+    max_iter: int = 2000
+    seed: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.folds, int) or self.folds < 2:
+            raise ValueError(f"folds must be an integer >= 2, got {self.folds!r}")
+        if not self.cs or any(not c > 0 for c in self.cs):
+            raise ValueError(f"cs must be a non-empty list of positive numbers, got {self.cs!r}")
+        object.__setattr__(self, "cs", tuple(float(c) for c in self.cs))
+
+
+@dataclass(frozen=True)
+class CVReport:
+    folds: int
+    c: float  # the chosen inverse regularisation strength
+    accuracy: float  # out-of-fold, at the chosen C
+    macro_f1: float
+    by_c: dict  # C -> out-of-fold accuracy
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "by_c": {str(c): acc for c, acc in self.by_c.items()}}
+
+
+def labelled_rows(rows, label_column: str) -> tuple[list[str], list[str]]:
+    """(texts, labels) of input rows (data.Row); a row without a usable text or label is a ValueError."""
+    texts, labels = [], []
+    for row in rows:
+        if row.error:
+            raise ValueError(f"row {row.index} (id {row.id}): {row.error}; every row needs a text to tune on")
+        if row.gold is None:
+            raise ValueError(f"row {row.index} (id {row.id}) has no label in column {label_column!r}")
+        texts.append(row.text)
+        labels.append(row.gold)
+    return texts, labels
+
+
+def check_labelled(texts: list[str], labels: list[str], folds: int) -> list[str]:
+    """The distinct labels, sorted; ValueError naming the problem when tuning cannot work on these rows."""
+    if len(texts) != len(labels):
+        raise ValueError(f"got {len(texts)} texts but {len(labels)} labels")
+    if not texts:
+        raise ValueError("no labelled rows: the input is empty")
+    for i, (text, label) in enumerate(zip(texts, labels, strict=True)):
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"row {i}: the text is empty or not a string ({text!r})")
+        if not isinstance(label, str) or not label.strip():
+            raise ValueError(f"row {i}: the label is empty or not a string ({label!r})")
+    counts = Counter(labels)
+    if len(counts) < 2:
+        raise ValueError(f"only one label ({next(iter(counts))!r}) in the rows; a head needs at least two")
+    label, fewest = min(counts.items(), key=lambda kv: (kv[1], kv[0]))
+    if fewest < folds:
+        raise ValueError(f"label {label!r} has {fewest} example{'s' if fewest != 1 else ''}; tuning needs at least "
+                         f"{folds} per label ({folds}-fold cross-validation)")
+    return sorted(counts)
+
+
+def fit_head(features: np.ndarray, y: np.ndarray, config: TuneConfig) -> tuple[dict, CVReport]:
+    """features (N, F), y (N,) ints 0..C-1 -> the head's tensors (on standardised features) and its CV report."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.metrics import accuracy_score, f1_score
+    from sklearn.model_selection import StratifiedKFold, cross_val_predict
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+    from threadpoolctl import threadpool_limits
+
+    def model(c: float):
+        return LogisticRegression(C=c, max_iter=config.max_iter)
+
+    folds = StratifiedKFold(config.folds, shuffle=True, random_state=config.seed)
+    # BLAS threads as many as torch's (--threads): on a busy 2-core CPU, spare threads only spin (10x slower).
+    with threadpool_limits(limits=torch.get_num_threads()):
+        oof = {c: cross_val_predict(make_pipeline(StandardScaler(), model(c)), features, y, cv=folds)
+               for c in config.cs}
+        by_c = {c: float(accuracy_score(y, pred)) for c, pred in oof.items()}
+        best = max(config.cs, key=lambda c: (by_c[c], -c))  # ties: the stronger regularisation
+        report = CVReport(config.folds, best, by_c[best], float(f1_score(y, oof[best], average="macro")), by_c)
+        scaler = StandardScaler().fit(features)
+        final = model(best).fit(scaler.transform(features), y)
+    weight, bias = final.coef_, final.intercept_
+    if weight.shape[0] == 1:  # two labels: sklearn keeps one logit (label 1 vs 0); softmax([0, t]) = sigmoid(t)
+        weight, bias = np.vstack([np.zeros_like(weight), weight]), np.concatenate([[0.0], bias])
+    tensors = {"weight": weight, "bias": bias, "mean": scaler.mean_, "std": scaler.scale_}
+    return {k: torch.tensor(np.asarray(v), dtype=torch.float64) for k, v in tensors.items()}, report
+
+
+def tune_head(engine, texts: list[str], labels: list[str], config: TuneConfig | None = None,
+              classes: list[str] | None = None, meta: dict | None = None, progress=None) -> tuple[Head, CVReport]:
+    """Fit a head for `engine`'s model, tokenizer and task. classes: the head's labels in order (default:
+    the distinct labels, sorted); meta: extra head.json fields (model spec, command)."""
+    config = config or TuneConfig()
+    found = check_labelled(texts, labels, config.folds)
+    classes = list(classes or found)
+    if set(classes) != set(found):
+        raise ValueError(f"classes {classes} are not the labels found in the rows {found}")
+    check_label_features(engine.task, classes, config.with_label_logprobs)
+    features = engine.features(texts, config.with_label_logprobs, progress).numpy()  # (N, F)
+    index = {label: j for j, label in enumerate(classes)}
+    tensors, report = fit_head(features, np.array([index[label] for label in labels]), config)
+    from slimroute import __version__
+    from slimroute.fingerprint import identity
+
+    info = {"identity": identity(engine.model, engine.tokenizer, engine.task), "task": task_spec(engine.task),
+            "cv": report.to_dict(), "num_examples": len(texts), "examples_per_label": dict(sorted(Counter(labels)
+            .items())), "slimroute": __version__, **(meta or {})}
+    features_name = "hidden+label-logprobs" if config.with_label_logprobs else "hidden"
+    return Head(tuple(classes), **tensors, features=features_name, meta=info), report
+
+
+def check_label_features(task: Task, classes: list[str], with_label_logprobs: bool) -> None:
+    if with_label_logprobs and set(task.labels) != set(classes):
+        raise ValueError(f"--with-label-logprobs needs the task's labels to be the head's labels; the task has "
+                         f"{list(task.labels)}, the rows {sorted(classes)}")
+
+
+def head_meta(model: str, dtype: str, input) -> dict:
+    """What head.json records about how the head was made (beside its identity, task and scores)."""
+    from slimroute.models import PACKAGED_MODELS
+
+    packaged = PACKAGED_MODELS.get(model)
+    return {"model": model, "model_sha256": packaged.sha256 if packaged else None, "dtype": dtype,
+            "input": str(input), "command": shlex.join(["slimroute", *sys.argv[1:]])}
+
+
+def summary_rows(head: Head, report: CVReport, labels: list[str]) -> list[tuple[str, str]]:
+    counts = Counter(labels)
+    return [("rows", f"{len(labels)} ({len(counts)} labels, {min(counts.values())} to {max(counts.values())} "
+                     "per label)"),
+            ("features", f"{head.features} ({head.weight.shape[1]})"),
+            ("C", f"{report.c:g} (of {', '.join(f'{c:g}' for c in report.by_c)})"),
+            ("CV accuracy", f"{100 * report.accuracy:.1f}%"),
+            ("CV macro-F1", f"{100 * report.macro_f1:.1f}%")]

@@ -1,0 +1,175 @@
+"""A tuned head: the fast path equals the reference with it, it round-trips its folder, and it refuses
+any model, tokenizer or prompt it was not tuned with."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_equivalence import LABEL_SETS
+from tiny import make_text, tiny_model
+
+from slimroute.config import EngineConfig
+from slimroute.engine import Engine
+from slimroute.fingerprint import identity
+from slimroute.head import Head, HeadMismatchError, check_out, task_spec
+from slimroute.reference import ReferenceClassifier
+from slimroute.task import Task
+
+HEAD_LABELS = tuple(f"intent_{i}" for i in range(12))  # more labels than the task: the head decides alone
+
+
+def random_head(model, tok, task: Task, labels=HEAD_LABELS, with_label_logprobs=False, seed=0) -> Head:
+    """A head with random weights on features standardised as tuning would (mean/std of real features),
+    valid for this model, tokenizer and task."""
+    gen = torch.Generator().manual_seed(seed)
+    features = Engine(model, tok, task).features(texts_for(seed + 100, 24), with_label_logprobs)  # (N, F)
+    num_features = features.shape[1]
+    return Head(
+        labels,
+        weight=torch.randn(len(labels), num_features, generator=gen, dtype=torch.float64) * 3 / num_features**0.5,
+        bias=torch.randn(len(labels), generator=gen, dtype=torch.float64) * 0.1,
+        mean=features.mean(dim=0),
+        std=features.std(dim=0) + 1e-3,
+        features="hidden+label-logprobs" if with_label_logprobs else "hidden",
+        meta={"identity": identity(model, tok, task), "task": task_spec(task), "model": "tiny"},
+    )
+
+
+def texts_for(seed: int, n: int = 40) -> list[str]:
+    rng = random.Random(seed)
+    return [make_text(rng, rng.choice([1, 3, 8, 20, 60])) for _ in range(n)]
+
+
+@pytest.mark.parametrize("batch_size", [1, 7, 32])
+@pytest.mark.parametrize("prefix_cache", [True, False])
+@pytest.mark.parametrize("with_label_logprobs", [False, True])
+def test_fast_path_equals_reference_with_a_head(tiny, batch_size, prefix_cache, with_label_logprobs):
+    model, tok = tiny
+    task = Task(LABEL_SETS["multi"])  # multi-token labels: their log-probs need the continuation steps
+    head = random_head(model, tok, task, with_label_logprobs=with_label_logprobs)
+    texts = texts_for(batch_size)
+    config = EngineConfig(batch_size=batch_size, prefix_cache=prefix_cache)
+    fast = Engine(model, tok, task, config, head=head).classify(texts)
+    ref = ReferenceClassifier(model, tok, task, head=head).classify(texts)
+    for f, r in zip(fast, ref, strict=True):
+        assert f.label == r.label and f.label in HEAD_LABELS
+        assert set(f.logprobs) == set(HEAD_LABELS)
+        assert max(abs(f.logprobs[k] - r.logprobs[k]) for k in HEAD_LABELS) <= 1e-4
+        assert f.num_tokens == r.num_tokens and f.truncated == r.truncated
+    assert len({p.label for p in fast}) > 1  # the head really decides (not one constant answer)
+
+
+def test_head_decision_is_the_argmax_of_its_log_probs(tiny_qwen):
+    model, tok = tiny_qwen
+    task = Task(LABEL_SETS["single"])
+    head = random_head(model, tok, task, seed=3)
+    for decision in ("greedy", "max-prob"):
+        preds = Engine(model, tok, task, EngineConfig(decision=decision), head=head).classify(texts_for(3))
+        for p in preds:
+            assert p.label == max(HEAD_LABELS, key=lambda k: (p.logprobs[k], -HEAD_LABELS.index(k)))
+            assert abs(sum(p.probs.values()) - 1) < 1e-9
+
+
+def test_features_are_the_reference_hidden_state(tiny):
+    model, tok = tiny
+    task = Task(LABEL_SETS["shared"])
+    texts = texts_for(5, 12)
+    engine = Engine(model, tok, task, EngineConfig(batch_size=5))
+    features = engine.features(texts, with_label_logprobs=True)  # (N, H + L)
+    ref = ReferenceClassifier(model, tok, task)
+    hidden = model.config.hidden_size
+    assert features.shape == (len(texts), hidden + len(task.labels)) and features.dtype == torch.float64
+    for row, text in zip(features, texts, strict=True):
+        prompt_ids = ref.prompt.prefix_ids + ref.prompt.item_ids(text)
+        assert torch.allclose(row[:hidden], ref._last_hidden(prompt_ids)[0].double(), atol=1e-5)
+        totals = [sum(lps) for lps in ref._label_logprobs(prompt_ids)]
+        assert torch.allclose(row[hidden:], torch.tensor(totals, dtype=torch.float64), atol=1e-4)
+    assert engine.features([]).shape[0] == 0
+
+
+def test_head_round_trips_through_its_folder(tiny_qwen, tmp_path):
+    model, tok = tiny_qwen
+    task = Task(LABEL_SETS["single"], "Route the ticket.")
+    head = random_head(model, tok, task, with_label_logprobs=True)
+    head.save(tmp_path / "head")
+    loaded = Head.load(tmp_path / "head")
+    assert loaded.labels == head.labels and loaded.features == head.features and loaded.meta == head.meta
+    for name in ("weight", "bias", "mean", "std"):
+        assert torch.equal(getattr(loaded, name), getattr(head, name))
+    assert loaded.task == task and loaded.digest == head.digest
+    assert sorted(p.name for p in (tmp_path / "head").iterdir()) == ["head.json", "head.safetensors"]
+
+
+def test_head_refuses_another_model_tokenizer_or_prompt(tiny_qwen):
+    model, tok = tiny_qwen
+    task = Task(LABEL_SETS["single"])
+    head = random_head(model, tok, task)
+    other_model, _ = tiny_model("qwen2", seed=1)
+    with pytest.raises(HeadMismatchError, match="tuned for another model"):
+        Engine(other_model, tok, task, head=head)
+    other_tok = tiny_model("qwen2")[1]
+    other_tok.add_tokens(["refundable"])
+    with pytest.raises(HeadMismatchError, match="tuned for another tokenizer"):
+        ReferenceClassifier(model, other_tok, task, head=head)
+    with pytest.raises(HeadMismatchError, match="tuned for another prompt"):
+        Engine(model, tok, Task(LABEL_SETS["single"], "Another instruction."), head=head)
+    with pytest.raises(HeadMismatchError, match="tuned for another prompt"):
+        Engine(model, tok, Task(("billing", "account", "technical")), head=head)  # the labels' order is prompt
+
+
+def test_identity_survives_dtype_but_not_fine_tuning(tiny_qwen):
+    model, tok = tiny_qwen
+    task = Task(LABEL_SETS["single"])
+    base = identity(model, tok, task)
+    bf16, _ = tiny_model("qwen2", dtype=torch.bfloat16)
+    assert identity(bf16, tok, task) == base
+    tuned, _ = tiny_model("qwen2")
+    with torch.no_grad():
+        tuned.model.norm.weight.mul_(1.01)
+    assert identity(tuned, tok, task)["model_fingerprint"] != base["model_fingerprint"]
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(labels=("a",)), "expected 2 distinct labels"),
+    (dict(features="logits"), "features must be one of"),
+    (dict(bias=torch.zeros(3, dtype=torch.float64)), "do not fit together"),
+])
+def test_bad_heads_are_refused(change, message):
+    fields = dict(labels=("a", "b"), weight=torch.zeros(2, 4, dtype=torch.float64),
+                  bias=torch.zeros(2, dtype=torch.float64), mean=torch.zeros(4, dtype=torch.float64),
+                  std=torch.ones(4, dtype=torch.float64))
+    with pytest.raises(ValueError, match=message):
+        Head(**{**fields, **change})
+
+
+def test_load_names_what_is_wrong(tmp_path, tiny_qwen):
+    with pytest.raises(ValueError, match="is not a head folder"):
+        Head.load(tmp_path)
+    model, tok = tiny_qwen
+    random_head(model, tok, Task(LABEL_SETS["single"])).save(tmp_path / "h")
+    meta = tmp_path / "h" / "head.json"
+    meta.write_text(meta.read_text().replace('"version": 1', '"version": 99'))
+    with pytest.raises(ValueError, match="version 99"):
+        Head.load(tmp_path / "h")
+    (tmp_path / "h" / "head.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(ValueError, match="unreadable"):
+        Head.load(tmp_path / "h")
+
+
+def test_out_folder_rules(tmp_path, tiny_qwen):
+    check_out(tmp_path / "new")
+    check_out(tmp_path)  # empty
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="holds other files"):
+        check_out(tmp_path, overwrite=True)
+    with pytest.raises(ValueError, match="is a file"):
+        check_out(tmp_path / "notes.txt")
+    model, tok = tiny_qwen
+    head = random_head(model, tok, Task(LABEL_SETS["single"]))
+    head.save(tmp_path / "h")
+    with pytest.raises(ValueError, match="already holds a head; pass --overwrite"):
+        head.save(tmp_path / "h")
+    head.save(tmp_path / "h", overwrite=True)
+    assert (tmp_path / "notes.txt").read_text() == "mine"

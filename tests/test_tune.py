@@ -1,0 +1,250 @@
+"""`slimroute tune` and the head on the command line and the server: tune writes a head that classify,
+verify and serve use; bad input and a head for another model exit 2 and write nothing."""
+
+from __future__ import annotations
+
+import csv
+import json
+import socket
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from rich.console import Console
+from test_server import live_server
+from tiny import tiny_model
+from typer.testing import CliRunner
+
+from slimroute import cli
+from slimroute.config import EngineConfig
+from slimroute.engine import Engine
+from slimroute.head import Head
+from slimroute.models import load_model
+from slimroute.server import BatchSettings, ServerSettings, TaskSet, create_app, serve
+from slimroute.tune import TuneConfig, check_labelled, fit_head
+
+BANKING77 = Path(__file__).resolve().parents[1] / "data" / "banking77" / "train.csv"
+INTENTS = ("card_arrival", "exchange_rate", "lost_or_stolen_card", "top_up_failed")
+
+
+def banking_rows(per_intent: int, intents=INTENTS) -> list[dict]:
+    """The first rows of a few BANKING77 intents (split=train), in file order."""
+    counts = dict.fromkeys(intents, 0)
+    rows = []
+    with BANKING77.open(encoding="utf-8", newline="") as f:
+        for row in csv.DictReader(f):
+            if row["split"] == "train" and counts.get(row["label"], per_intent) < per_intent:
+                counts[row["label"]] += 1
+                rows.append({"id": row["id"], "text": row["text"], "intent": row["label"]})
+    return rows
+
+
+def write_csv(path: Path, rows: list[dict], fields=("id", "text", "intent")) -> Path:
+    with path.open("w", encoding="utf-8", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(fields))
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+@pytest.fixture
+def labelled(tmp_path) -> Path:
+    return write_csv(tmp_path / "labelled.csv", banking_rows(6))
+
+
+@pytest.fixture(scope="module")
+def other_model_dir(tmp_path_factory) -> str:
+    """Same architecture and tokenizer as model_dir, other weights."""
+    folder = tmp_path_factory.mktemp("tiny-qwen2-seed1")
+    model, tokenizer = tiny_model("qwen2", seed=1)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture
+def run(monkeypatch, model_dir):
+    monkeypatch.setattr(cli, "console", Console(stderr=True, width=1000))
+
+    def run(command, *args, model=None):
+        extra = ["--model", str(model or model_dir), "--threads", "1"]
+        result = CliRunner().invoke(cli.app, [command, *map(str, args), *extra])
+        result.text = " ".join(result.output.split())
+        return result
+
+    return run
+
+
+@pytest.fixture
+def head_dir(tmp_path, labelled, run) -> Path:
+    result = run("tune", labelled, "--label-column", "intent", "--out", tmp_path / "head", "--folds", "3",
+                 "--dtype", "float32")
+    assert result.exit_code == 0, result.output
+    return tmp_path / "head"
+
+
+def test_tune_writes_a_head_that_classify_and_verify_use(tmp_path, head_dir, labelled, run, model_dir):
+    head = Head.load(head_dir)
+    assert head.labels == tuple(sorted(INTENTS)) and head.features == "hidden"
+    meta = json.loads((head_dir / "head.json").read_text())
+    assert meta["format"] == "slimroute-head" and meta["identity"]["hidden_size"] == 32
+    assert set(meta["identity"]) == {"model_fingerprint", "tokenizer_fingerprint", "prompt_fingerprint",
+                                     "hidden_size"}
+    assert meta["task"]["labels"] == sorted(INTENTS) and meta["num_examples"] == 24
+    assert meta["cv"]["folds"] == 3 and 0 <= meta["cv"]["accuracy"] <= 1 and meta["command"].startswith("slimroute")
+    assert meta["model"] == model_dir and meta["slimroute"]
+
+    out = tmp_path / "preds.jsonl"
+    result = run("classify", labelled, "--head", head_dir, "--out", out, "--label-column", "intent")
+    assert result.exit_code == 0, result.output
+    first = json.loads(out.read_text().splitlines()[0])
+    assert list(first) == ["id", "label", *(f"p_{label}" for label in sorted(INTENTS)), "truncated", "error"]
+    assert first["label"] in INTENTS and sum(first[f"p_{label}"] for label in INTENTS) == pytest.approx(1)
+    assert "accuracy" in result.text
+
+    for extra in (["--batch-size", "1"], ["--batch-size", "7", "--no-prefix-cache"], ["--batch-size", "32"]):
+        result = run("verify", labelled, "--head", head_dir, "--json", tmp_path / "v.json", "--dtype", "float32",
+                     *extra)
+        assert result.exit_code == 0, result.output
+        record = json.loads((tmp_path / "v.json").read_text())
+        assert record["agreement"] == 1.0 and record["max_abs_logprob_diff"] <= 1e-4
+
+
+def test_a_head_tuned_in_float32_serves_int8(tmp_path, head_dir, labelled, run):
+    """The model fingerprint is the checkpoint's, taken before int8 smoothing rewrites the norms."""
+    from slimroute.int8 import int8_failure
+
+    if int8_failure() is not None:
+        pytest.skip(f"int8 does not run here: {int8_failure()}")
+    assert json.loads((head_dir / "head.json").read_text())["dtype"] == "float32"
+    result = run("verify", labelled, "--head", head_dir, "--dtype", "int8", "--json", tmp_path / "v.json")
+    assert result.exit_code == 0, result.output
+    record = json.loads((tmp_path / "v.json").read_text())
+    assert record["dtype"] == "int8" and record["agreement"] == 1.0 and record["max_abs_logprob_diff"] <= 1e-4
+
+
+def test_tune_with_label_log_probs_as_features(tmp_path, labelled, run):
+    out = tmp_path / "head"
+    result = run("tune", labelled, "--label-column", "intent", "--out", out, "--folds", "3", "--with-label-logprobs")
+    assert result.exit_code == 0, result.output
+    head = Head.load(out)
+    assert head.features == "hidden+label-logprobs" and head.weight.shape == (4, 32 + 4)
+    result = run("verify", labelled, "--head", out, "--limit", "6")  # the reference scores each label's tokens
+    assert result.exit_code == 0 and "label agreement 100.00%" in result.text
+
+
+def test_a_head_for_another_model_or_prompt_exits_2_and_writes_nothing(tmp_path, head_dir, labelled, run,
+                                                                        other_model_dir):
+    before = sorted(p.name for p in tmp_path.iterdir())
+    out = tmp_path / "preds.jsonl"
+    result = run("classify", labelled, "--head", head_dir, "--out", out, model=other_model_dir)
+    assert result.exit_code == 2 and "error: the head was tuned for another model" in result.text
+    result = run("verify", labelled, "--head", head_dir, model=other_model_dir)
+    assert result.exit_code == 2 and "tuned for another model" in result.text
+    result = run("classify", labelled, "--head", head_dir, "--out", out, "--labels", ",".join(INTENTS[::-1]))
+    assert result.exit_code == 2 and "tuned for another prompt" in result.text  # the labels' order differs
+    result = run("classify", labelled, "--head", tmp_path / "nowhere", "--out", out)
+    assert result.exit_code == 2 and "is not a head folder" in result.text
+    result = run("classify", labelled, "--head", head_dir, "--out", out, "--server", "http://127.0.0.1:9")
+    assert result.exit_code == 2 and "--head runs on the local engine" in result.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@pytest.mark.parametrize("rows, args, message", [
+    ("few", ["--text-column", "body"], "text column 'body' is not in"),
+    ("few", ["--label-column", "label"], "label column 'label' is not in"),
+    ("one", [], "only one label ('card_arrival') in the rows; a head needs at least two"),
+    ("few", ["--folds", "7"], "has 6 examples; tuning needs at least 7 per label (7-fold cross-validation)"),
+    ("none", [], "no labelled rows: the input is empty"),
+    ("empty file", [], "no labelled rows: the input is empty"),
+    ("unlabelled", [], "has no label in column 'intent'"),
+    ("few", ["--folds", "1"], "folds must be an integer >= 2"),
+    ("few", ["--with-label-logprobs", "--labels", "card_arrival,exchange_rate"],
+     "--with-label-logprobs needs the task's labels to be the head's labels"),
+    ("few", ["--out", "{tmp}/labelled.csv"], "is a file; give a folder for the head"),
+    ("few", ["--model", "{tmp}/no-such-model"], "unknown model"),
+])
+def test_tune_usage_errors_exit_2_and_write_nothing(tmp_path, run, rows, args, message):
+    data = {"few": banking_rows(6), "one": banking_rows(6, INTENTS[:1]), "none": [], "empty file": None,
+            "unlabelled": [*banking_rows(6), {"id": "x", "text": "where is my card", "intent": ""}]}[rows]
+    src = write_csv(tmp_path / "labelled.csv", data) if data is not None else tmp_path / "labelled.csv"
+    if data is None:
+        src.write_text("")
+    args = [a.format(tmp=tmp_path) for a in args]
+    if "--out" not in args:
+        args += ["--out", str(tmp_path / "head")]
+    if "--label-column" not in args:
+        args += ["--label-column", "intent"]
+    model = next((args[i + 1] for i, a in enumerate(args) if a == "--model"), None)
+    if model:
+        i = args.index("--model")
+        del args[i: i + 2]
+    result = run("tune", src, *args, model=model)
+    assert result.exit_code == 2, result.output
+    assert "error:" in result.text and message in result.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["labelled.csv"]
+
+
+def test_tune_keeps_an_existing_head_without_overwrite(tmp_path, head_dir, labelled, run):
+    before = (head_dir / "head.safetensors").read_bytes()
+    result = run("tune", labelled, "--label-column", "intent", "--out", head_dir, "--folds", "3")
+    assert result.exit_code == 2 and "already holds a head; pass --overwrite" in result.text
+    assert (head_dir / "head.safetensors").read_bytes() == before
+    result = run("tune", labelled, "--label-column", "intent", "--out", head_dir, "--folds", "2", "--overwrite")
+    assert result.exit_code == 0, result.output
+    assert json.loads((head_dir / "head.json").read_text())["cv"]["folds"] == 2
+
+
+def test_the_server_answers_with_the_head(head_dir, labelled, model_dir):
+    head = Head.load(head_dir)
+    loaded = load_model(model_dir, "float32", 1)
+    engine = Engine.from_loaded(loaded, head.task, EngineConfig(), head)
+    texts = [row["text"] for row in banking_rows(2)]
+    offline = engine.classify(texts)
+    settings = ServerSettings(batch=BatchSettings(max_wait_ms=0))
+    with live_server(create_app({"default": engine}, settings)) as url:
+        info = httpx.get(f"{url}/v1/info").json()
+        results = httpx.post(f"{url}/v1/classify", json={"texts": texts}, timeout=30).json()["results"]
+    assert info["tasks"][0]["labels"] == sorted(INTENTS)
+    for item, want in zip(results, offline, strict=True):
+        assert item["label"] == want.label and set(item["probs"]) == set(INTENTS)
+        assert item["logprobs"] == pytest.approx(want.logprobs, abs=1e-4)
+
+
+def test_serve_exits_2_for_a_head_of_another_model(head_dir, other_model_dir):
+    head = Head.load(head_dir)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    code = serve(TaskSet({"default": head.task}, "default"), other_model_dir, threads=1, head=head, port=port,
+                 log_level="critical")
+    assert code == 2
+
+
+def test_fit_head_matches_scikit_learn_and_handles_two_labels():
+    from sklearn.linear_model import LogisticRegression
+
+    rng = np.random.default_rng(0)
+    for num_classes in (2, 5):
+        y = np.repeat(np.arange(num_classes), 12)
+        x = rng.normal(size=(len(y), 6)) + y[:, None] * 1.5
+        tensors, report = fit_head(x, y, TuneConfig(folds=3))
+        assert tensors["weight"].shape == (num_classes, 6) and report.accuracy > 0.8
+        head = Head(tuple(f"c{j}" for j in range(num_classes)), **tensors)
+        z = (x - tensors["mean"].numpy()) / tensors["std"].numpy()
+        want = LogisticRegression(C=report.c, max_iter=2000).fit(z, y).predict_proba(z)
+        import torch
+
+        got = head.logprobs(torch.tensor(x)).exp().numpy()
+        np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+def test_check_labelled_names_the_problem():
+    assert check_labelled(["a", "b", "c", "d"], ["x", "y", "x", "y"], 2) == ["x", "y"]
+    with pytest.raises(ValueError, match="got 2 texts but 1 labels"):
+        check_labelled(["a", "b"], ["x"], 2)
+    with pytest.raises(ValueError, match="row 1: the text is empty"):
+        check_labelled(["a", " "], ["x", "y"], 2)
+    with pytest.raises(ValueError, match="label 'y' has 1 example; tuning needs at least 2"):
+        check_labelled(["a", "b", "c"], ["x", "x", "y"], 2)
