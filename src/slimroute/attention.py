@@ -24,7 +24,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "slimroute_invariant"
-TILE = 64
+TILE = 32
 
 
 def _tiles(x: torch.Tensor, length: int) -> torch.Tensor:
@@ -33,17 +33,15 @@ def _tiles(x: torch.Tensor, length: int) -> torch.Tensor:
     if pad:
         x = F.pad(x, (0, 0, 0, pad))
     b, h, _, d = x.shape
-    return x.view(b, h, length // TILE, TILE, d)
+    return x.reshape(b, h, length // TILE, TILE, d)
 
 
 def invariant_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """query (B, H, Lq, D); key, value (B, Hkv, Lk, D); attention_mask (B, 1, Lq, Lk), True where a query may
     attend (an additive float mask, 0 where allowed, works too). Returns ((B, Lq, H, D), None)."""
     batch, heads, num_queries, head_dim = query.shape
-    num_keys = key.shape[2]
-    groups = heads // key.shape[1]
-    if groups > 1:
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)  # (B, H, Lk, D)
+    kv_heads, num_keys = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
     if attention_mask is None:
         allowed = torch.ones(batch, 1, num_queries, num_keys, dtype=torch.bool, device=query.device)
     elif attention_mask.dtype == torch.bool:
@@ -52,33 +50,36 @@ def invariant_attention(module, query, key, value, attention_mask, scaling, drop
         allowed = attention_mask[:, :, :, :num_keys] == 0
     allowed = allowed.expand(batch, 1, num_queries, num_keys)
 
-    # 1. visible keys first, in position order (stable sort of "hidden" flags)
+    # 1. visible keys first, in position order (stable sort of "hidden" flags); right padding needs no move
     hidden = ~allowed.any(dim=2)  # (B, 1, Lk): no query of the row sees it
-    if bool(hidden.any()):
+    if bool((hidden[..., :-1] & ~hidden[..., 1:]).any()):  # a hidden key in front of a visible one
         order = torch.sort(hidden.to(torch.uint8), dim=-1, stable=True).indices  # (B, 1, Lk)
-        gather = order[..., None].expand(batch, heads, num_keys, head_dim)
+        gather = order[..., None].expand(batch, kv_heads, num_keys, head_dim)
         key, value = key.gather(2, gather), value.gather(2, gather)
         allowed = allowed.gather(3, order[:, :, None, :].expand(batch, 1, num_queries, num_keys))
 
-    # 2. tiles: (B, H, nq, T, D) and (B, H, nk, T, D)
+    # 2. tiles: queries (B, Hkv, G * nq, T, D), the G query heads of a key head side by side; keys and values
+    # (B, Hkv, nk, T, D), shared by those heads without copies (grouped-query attention)
     q_len, k_len = -(-num_queries // TILE) * TILE, -(-num_keys // TILE) * TILE
-    q_tiles, k_tiles, v_tiles = _tiles(query, q_len), _tiles(key, k_len), _tiles(value, k_len)
     nq, nk = q_len // TILE, k_len // TILE
-    scores = torch.matmul(q_tiles[:, :, :, None], k_tiles[:, :, None].transpose(-1, -2))  # (B, H, nq, nk, T, T)
-    scores = scores.permute(0, 1, 2, 4, 3, 5).reshape(batch, heads, q_len, k_len) * scaling  # (B, H, Lq', Lk')
+    q_tiles = _tiles(query, q_len).reshape(batch, kv_heads, groups * nq, TILE, head_dim)
+    k_tiles, v_tiles = _tiles(key, k_len), _tiles(value, k_len)
+    scores = torch.matmul(q_tiles[:, :, :, None], k_tiles[:, :, None].transpose(-1, -2))  # (B, Hkv, G*nq, nk, T, T)
+    scores = scores.view(batch, heads, nq, nk, TILE, TILE).transpose(3, 4).reshape(batch, heads, q_len, k_len)
+    scores.mul_(scaling)  # (B, H, Lq', Lk')
 
     # 3. softmax over padded key rows; padded queries may see key 0 (their rows are dropped, but stay finite)
     mask = F.pad(allowed, (0, k_len - num_keys, 0, q_len - num_queries))  # (B, 1, Lq', Lk')
     mask[:, :, num_queries:, 0] = True
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    probs = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1)
 
     # 4. per-tile weighted sums, added in key order
-    probs = probs.view(batch, heads, nq, TILE, nk, TILE).permute(0, 1, 2, 4, 3, 5)  # (B, H, nq, nk, T, T)
-    partial_sums = torch.matmul(probs, v_tiles[:, :, None])  # (B, H, nq, nk, T, D)
+    probs = probs.view(batch, kv_heads, groups * nq, TILE, nk, TILE).transpose(3, 4)  # (B, Hkv, G*nq, nk, T, T)
+    partial_sums = torch.matmul(probs, v_tiles[:, :, None])  # (B, Hkv, G*nq, nk, T, D)
     out = partial_sums[:, :, :, 0]
     for j in range(1, nk):
-        out = out + partial_sums[:, :, :, j]  # (B, H, nq, T, D)
-    out = out.reshape(batch, heads, q_len, head_dim)[:, :, :num_queries]
+        out = out + partial_sums[:, :, :, j]  # (B, Hkv, G*nq, T, D)
+    out = out.view(batch, heads, q_len, head_dim)[:, :, :num_queries]
     return out.transpose(1, 2).contiguous(), None
 
 
