@@ -25,6 +25,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "slimroute_invariant"
 TILE = 32
+QUERY_TILES = 4  # query tiles per pass (memory only: the bits do not depend on it)
 
 
 def _tiles(x: torch.Tensor, length: int) -> torch.Tensor:
@@ -58,29 +59,39 @@ def invariant_attention(module, query, key, value, attention_mask, scaling, drop
         key, value = key.gather(2, gather), value.gather(2, gather)
         allowed = allowed.gather(3, order[:, :, None, :].expand(batch, 1, num_queries, num_keys))
 
-    # 2. tiles: queries (B, Hkv, G * nq, T, D), the G query heads of a key head side by side; keys and values
-    # (B, Hkv, nk, T, D), shared by those heads without copies (grouped-query attention)
+    # 2. tiles: queries (B, Hkv, G, nq, T, D); keys and values (B, Hkv, nk, T, D), shared by the G query heads of
+    # a key head (grouped-query attention). Long inputs run QUERY_TILES query tiles at a time (rows are
+    # independent; this only bounds the scores' memory).
     q_len, k_len = -(-num_queries // TILE) * TILE, -(-num_keys // TILE) * TILE
-    nq, nk = q_len // TILE, k_len // TILE
-    q_tiles = _tiles(query, q_len).reshape(batch, kv_heads, groups * nq, TILE, head_dim)
+    nq = q_len // TILE
+    q_tiles = _tiles(query, q_len).view(batch, kv_heads, groups, nq, TILE, head_dim)
     k_tiles, v_tiles = _tiles(key, k_len), _tiles(value, k_len)
-    scores = torch.matmul(q_tiles[:, :, :, None], k_tiles[:, :, None].transpose(-1, -2))  # (B, Hkv, G*nq, nk, T, T)
-    scores = scores.view(batch, heads, nq, nk, TILE, TILE).transpose(3, 4).reshape(batch, heads, q_len, k_len)
-    scores.mul_(scaling)  # (B, H, Lq', Lk')
-
-    # 3. softmax over padded key rows; padded queries may see key 0 (their rows are dropped, but stay finite)
     mask = F.pad(allowed, (0, k_len - num_keys, 0, q_len - num_queries))  # (B, 1, Lq', Lk')
-    mask[:, :, num_queries:, 0] = True
-    probs = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1)
+    mask[:, :, num_queries:, 0] = True  # padded queries may see key 0 (their rows are dropped, but stay finite)
+    chunks = [_attend(q_tiles[:, :, :, a:a + QUERY_TILES], k_tiles, v_tiles,
+                      mask[:, :, a * TILE:(a + QUERY_TILES) * TILE], scaling) for a in range(0, nq, QUERY_TILES)]
+    out = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=2)  # (B, H, Lq', D)
+    return out[:, :, :num_queries].transpose(1, 2).contiguous(), None
 
+
+def _attend(q_tiles, k_tiles, v_tiles, mask, scaling) -> torch.Tensor:
+    """Queries (B, Hkv, G, c, T, D) against every key tile (B, Hkv, nk, T, D) -> (B, H, c * T, D)."""
+    batch, kv_heads, groups, c, _, head_dim = q_tiles.shape
+    nk = k_tiles.shape[2]
+    q_tiles = q_tiles.reshape(batch, kv_heads, groups * c, TILE, head_dim)
+    # scores tile by tile, one key tile at a time, straight into (query, key) order
+    scores = q_tiles.new_empty(batch, kv_heads, groups * c, TILE, nk, TILE)
+    for j in range(nk):
+        scores[:, :, :, :, j] = torch.matmul(q_tiles, k_tiles[:, :, j, None].transpose(-1, -2))
+    scores = scores.view(batch, kv_heads * groups, c * TILE, nk * TILE).mul_(scaling)
+    # 3. softmax over padded key rows (masked keys are exact zeros)
+    probs = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1)
     # 4. per-tile weighted sums, added in key order
-    probs = probs.view(batch, kv_heads, groups * nq, TILE, nk, TILE).transpose(3, 4)  # (B, Hkv, G*nq, nk, T, T)
-    partial_sums = torch.matmul(probs, v_tiles[:, :, None])  # (B, Hkv, G*nq, nk, T, D)
-    out = partial_sums[:, :, :, 0]
+    probs = probs.view(batch, kv_heads, groups * c, TILE, nk, TILE)
+    out = torch.matmul(probs[:, :, :, :, 0], v_tiles[:, :, 0, None])  # (B, Hkv, G*c, T, D)
     for j in range(1, nk):
-        out = out + partial_sums[:, :, :, j]  # (B, Hkv, G*nq, T, D)
-    out = out.view(batch, heads, q_len, head_dim)[:, :, :num_queries]
-    return out.transpose(1, 2).contiguous(), None
+        out = out + torch.matmul(probs[:, :, :, :, j], v_tiles[:, :, j, None])
+    return out.view(batch, kv_heads * groups, c * TILE, head_dim)
 
 
 def register() -> str:

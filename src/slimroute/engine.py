@@ -19,6 +19,7 @@ from transformers import DynamicCache
 from slimroute.batching import PaddingStats, pad_right, plan_batches
 from slimroute.config import EngineConfig
 from slimroute.head import head_features, label_totals
+from slimroute.kernels import return_freed_memory
 from slimroute.labels import Prediction, decision_margin, make_prediction
 from slimroute.prefix_cache import PrefixCache, continue_cache
 from slimroute.scoring import LabelScorer
@@ -110,6 +111,7 @@ class Engine:
                 results[i] = make_prediction(
                     self.labels, self.answer_ids, lps, cfg.decision, self._prompt_len(lengths[i]), truncated[i]
                 )
+            return_freed_memory()  # a long batch's activations stay out of the RSS once it is done
             if progress:
                 progress(len(batch))
             if on_results:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slimroute.kernels import FileMappedMemory
+from slimroute.kernels import FileMappedMemory, return_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,9 @@ def quantize_model(model: nn.Module, cache_file: Path | None = None, tokenizer=N
     mapped = FileMappedMemory()
     with safe_open(str(cache_file), "pt") if cached else _nothing() as stored:
         if stored is not None:
-            params = {key[len("param."):]: stored.get_tensor(key) for key in stored.keys() if key.startswith("param.")}
+            # copies: a tensor read from the file keeps the whole file mapped, and its read pages resident
+            params = {key[len("param."):]: stored.get_tensor(key).clone() for key in stored.keys()
+                      if key.startswith("param.")}
         for name, linear in targets:
             bias = params.get(f"{name}.bias", linear.bias)
             if stored is not None:
@@ -202,6 +204,7 @@ def quantize_model(model: nn.Module, cache_file: Path | None = None, tokenizer=N
             _replace(model, name, RowBlockedLinear(head))
     if made and cache_file is not None:
         _save(made, cache_file)
+    return_freed_memory()  # the quantisation's and packing's temporaries
 
 
 def _input_group(name: str) -> tuple[str, str]:
