@@ -12,7 +12,7 @@ from slimroute.config import EngineConfig
 from slimroute.cpu import detect, int8_kernels_available
 from slimroute.engine import Engine
 from slimroute.int8 import Int8Linear, RowBlockedLinear, int8_failure, quantize_model
-from slimroute.kernels import set_attention
+from slimroute.kernels import onednn_failure, set_attention
 from slimroute.reference import ReferenceClassifier
 from slimroute.task import Task
 
@@ -64,9 +64,12 @@ def test_int8_accumulation_is_exact():
     assert torch.allclose(Int8Linear(qweight, scale, None)(x).double(), exact, rtol=1e-6, atol=1e-4)
 
 
-def test_row_blocked_head_rows_do_not_depend_on_the_batch():
+@pytest.mark.parametrize("onednn", [False, True], ids=["torch", "onednn"])
+def test_row_blocked_head_rows_do_not_depend_on_the_batch(onednn):
+    if onednn and onednn_failure(torch.float32):
+        pytest.skip(f"oneDNN's fp32 linear does not run here: {onednn_failure(torch.float32)}")
     torch.manual_seed(0)
-    head = RowBlockedLinear(nn.Linear(64, 400, bias=False))
+    head = RowBlockedLinear(nn.Linear(64, 400, bias=False), onednn)
     x = torch.randn(37, 64)
     whole = head(x)
     assert torch.allclose(whole, torch.nn.functional.linear(x, head.weight), atol=1e-5)
