@@ -27,7 +27,7 @@ def load_tickets(n: int) -> list[dict]:
         with open(SAMPLE, encoding="utf-8") as f:
             tickets = [json.loads(line) for line in f if line.strip()]
     else:
-        from slimroute.data import synthetic_tickets
+        from slimroute.synth import synthetic_tickets
 
         tickets = synthetic_tickets(600, 0)
     return tickets[:n]

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 def write_input(path: Path, num_rows: int, max_chars: int) -> None:
     """num_rows seeded synthetic tickets (a pool of 5000 texts reused under fresh ids), streamed to disk."""
-    from slimroute.data import synthetic_tickets
+    from slimroute.synth import synthetic_tickets
 
     pool = synthetic_tickets(5000, seed=0)
     with path.open("w", encoding="utf-8") as f:

@@ -162,8 +162,8 @@ def test_int8_probe_failure_is_reported(monkeypatch):
 @pytest.mark.slow
 def test_int8_is_bitwise_equal_to_its_reference_on_the_packaged_smollm2(tmp_path, monkeypatch):
     """A real model (SmolLM2-135M, Llama architecture): padded, cached, batched int8 == one at a time, bitwise."""
-    from slimroute.data import synthetic_tickets
     from slimroute.models import load_model
+    from slimroute.synth import synthetic_tickets
 
     loaded = load_model("smollm2-135m", "int8", threads=2)
     assert (loaded.precision, loaded.attention) == ("int8", "invariant")

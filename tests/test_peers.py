@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
-from slimroute.data import synthetic_tickets
 from slimroute.peers import LlamaCppClassifier, llama_cpp_available, llama_cpp_unavailable_reason
+from slimroute.synth import synthetic_tickets
 from slimroute.task import Task
 
 MULTI_TOKEN = Task(("Technical Support", "Technical Sales", "Billing question"))

@@ -25,10 +25,11 @@ from slimroute.backends.ray import (  # noqa: E402
     rows_of,
     run_ray_job,
 )
-from slimroute.data import InputError, output_record, read_rows, synthetic_tickets  # noqa: E402
+from slimroute.data import InputError, output_record, read_rows  # noqa: E402
 from slimroute.engine import Engine  # noqa: E402
 from slimroute.jobs import classify_rows  # noqa: E402
 from slimroute.models import load_model  # noqa: E402
+from slimroute.synth import synthetic_tickets  # noqa: E402
 from slimroute.task import Task  # noqa: E402
 
 TASK = Task.from_labels("billing,technical,account")

@@ -17,9 +17,10 @@ from test_jobs import LABELS, SETTINGS, StubClassifier, run, tickets, write_json
 from typer.testing import CliRunner
 
 from slimroute import cli
-from slimroute.data import iter_rows, synthetic_tickets
+from slimroute.data import iter_rows
 from slimroute.jobs import JobSummary, run_job
 from slimroute.output import DurableOutput, input_fingerprint, parts_path, progress_path
+from slimroute.synth import synthetic_tickets
 
 WINDOW = 10
 

@@ -23,10 +23,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from tiny import tiny_model
 
 from slimroute.config import EngineConfig
-from slimroute.data import synthetic_tickets
 from slimroute.engine import Engine
 from slimroute.server import BatchSettings, ServerSettings, create_app
 from slimroute.server.microbatch import MicroBatcher
+from slimroute.synth import synthetic_tickets
 from slimroute.task import Task
 
 LABELS = "billing,technical,account"

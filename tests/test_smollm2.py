@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from slimroute.config import EngineConfig
-from slimroute.data import synthetic_tickets
 from slimroute.engine import Engine
 from slimroute.reference import ReferenceClassifier
+from slimroute.synth import synthetic_tickets
 from slimroute.task import Prompt, Task, encode, render_prompt
 
 pytestmark = pytest.mark.slow

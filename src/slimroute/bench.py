@@ -25,12 +25,12 @@ import torch
 
 from slimroute.config import EngineConfig
 from slimroute.cpu import DTYPE_NAMES, UnsupportedDtypeError, choose_dtype, detect
-from slimroute.data import synthetic_tickets
 from slimroute.engine import Engine
 from slimroute.kernels import set_linear_kernels
 from slimroute.labels import Prediction
 from slimroute.models import load_model
 from slimroute.reference import ReferenceClassifier
+from slimroute.synth import synthetic_tickets
 from slimroute.task import Example, Task, encode, render_prompt
 from slimroute.verify import compare
 

@@ -464,29 +464,14 @@ def data_synth(
     seed: int = typer.Option(0, "--seed"),
 ):
     """Write synthetic support tickets (billing / technical / account) with gold labels."""
-    from slimroute.data import synthetic_tickets
+    from slimroute.data import write_records
+    from slimroute.synth import synthetic_tickets
 
     tickets = synthetic_tickets(n, seed)
     if out.suffix not in (".jsonl", ".ndjson", ".csv", ".parquet"):
         fail(f"--out must end in .jsonl, .csv or .parquet, got {out.name!r}")
     write_records(out, tickets)
     console.print(f"wrote {len(tickets)} tickets to {out}")
-
-
-def write_records(path: Path, records: list[dict]) -> None:
-    import pyarrow as pa
-    import pyarrow.csv as pacsv
-    import pyarrow.parquet as pq
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix == ".parquet":
-        pq.write_table(pa.Table.from_pylist(records), path)
-    elif path.suffix == ".csv":
-        pacsv.write_csv(pa.Table.from_pylist(records), path)
-    else:
-        with open(path, "w", encoding="utf-8") as f:
-            for rec in records:
-                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
 
 
 @models_app.command("list")
