@@ -146,3 +146,91 @@ def test_an_input_that_breaks_part_way_exits_2(tmp_path, src, invoke, monkeypatc
     result = invoke(src, "--labels", LABELS, "--out", tmp_path / "out.jsonl", "--window", "2")
     assert result.exit_code == 2 and "not valid CSV near line 5" in result.text
     assert "2 rows (1 whole window) are committed" in result.text and "start over with --overwrite" in result.text
+
+
+# --------------------------------------------------------------------------- calibration
+
+
+def labelled_file(tmp_path, rows=None):
+    rows = rows or [("refund my card", "billing"), ("the app crashes", "technical"), ("reset my password", "account"),
+                    ("charged twice", "billing"), ("error 500 on login", "technical"), ("cannot log in", "account")]
+    path = tmp_path / "labelled.jsonl"
+    path.write_text("".join(json.dumps({"text": t, "label": label}) + "\n" for t, label in rows))
+    return path
+
+
+@pytest.mark.parametrize("mode", ["content-free", "batch", "fitted"])
+def test_calibrated_output_keeps_the_models_probabilities(tmp_path, src, invoke, mode):
+    out, summary_json = tmp_path / "out.csv", tmp_path / "summary.json"
+    data = ["--calibration-data", labelled_file(tmp_path)] if mode == "fitted" else []
+    result = invoke(src, "--labels", LABELS, "--out", out, "--calibrate", mode, *data, "--summary-json", summary_json)
+    assert result.exit_code == 0, result.output
+    header = out.read_text().splitlines()[0]
+    assert header == ("id,label,p_billing,p_technical,p_account,raw_p_billing,raw_p_technical,raw_p_account,"
+                      "truncated,error")
+    calibration = json.loads(summary_json.read_text())["calibration"]
+    assert calibration["mode"] == mode and f"calibration │ {mode} from {calibration['num_inputs']} texts" in result.text
+    assert calibration["num_inputs"] == {"content-free": 3, "batch": 4, "fitted": 6}[mode]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--calibrate", "platt"], "calibrate must be one of none, content-free, batch, fitted"),
+    (["--calibrate", "fitted"], "--calibrate fitted needs labelled rows"),
+    (["--calibration-data", "{data}"], "--calibration-data is used by --calibrate batch or fitted"),
+    (["--calibrate", "fitted", "--calibration-data", "{tmp}/missing.csv"], "does not exist"),
+    (["--calibrate", "fitted", "--calibration-data", "{unknown}"], "gold label 'sales' is not one of the labels"),
+    (["--calibrate", "batch", "--server", "http://127.0.0.1:9"], "--calibrate runs with the local engine only"),
+])
+def test_bad_calibration_settings_exit_2_and_write_nothing(tmp_path, src, invoke, args, message):
+    data = labelled_file(tmp_path)
+    unknown = tmp_path / "unknown.jsonl"
+    unknown.write_text(data.read_text() + json.dumps({"text": "buy more", "label": "sales"}) + "\n")
+    args = [a.format(data=data, unknown=unknown, tmp=tmp_path) for a in args]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    result = invoke(src, "--labels", LABELS, "--out", tmp_path / "out.jsonl", *args)
+    assert result.exit_code == 2 and message in result.text, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_batch_offsets_come_from_the_first_window_and_survive_resume(tmp_path, src, invoke, monkeypatch):
+    from slimroute.output import DurableOutput
+
+    whole, summary_json = tmp_path / "whole.jsonl", tmp_path / "summary.json"
+    args = ["--labels", LABELS, "--calibrate", "batch", "--window", "2"]
+    assert invoke(src, *args, "--out", whole, "--summary-json", summary_json).exit_code == 0
+    first = json.loads(summary_json.read_text())["calibration"]
+    assert first["num_inputs"] == 2 and "rows 0-1" in first["source"]  # the first window only
+
+    commit, calls = DurableOutput.commit, []
+
+    def fail_on_the_second(self, *a):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        commit(self, *a)
+
+    out = tmp_path / "out.jsonl"
+    with monkeypatch.context() as patch:
+        patch.setattr(DurableOutput, "commit", fail_on_the_second)
+        assert invoke(src, *args, "--out", out).exit_code == 1
+    record = json.loads((tmp_path / "out.jsonl.progress.json").read_text())
+    assert record["rows_done"] == 2 and record["calibration"] == first
+    changed = invoke(src, "--labels", LABELS, "--calibrate", "content-free", "--window", "2", "--out", out,
+                     "--resume")
+    assert changed.exit_code == 2 and "settings differ" in changed.text and "calibration" in changed.text
+    resumed = invoke(src, *args, "--out", out, "--resume", "--summary-json", summary_json)
+    assert resumed.exit_code == 0, resumed.output
+    assert json.loads(summary_json.read_text())["calibration"] == first
+    assert out.read_bytes() == whole.read_bytes()
+
+
+def test_verify_holds_under_calibration(tmp_path, src, model_dir, monkeypatch):
+    monkeypatch.setattr(cli, "console", Console(stderr=True, width=1000))
+    for mode in ("content-free", "batch"):
+        result = CliRunner().invoke(cli.app, ["verify", str(src), "--labels", LABELS, "--model", model_dir,
+                                              "--threads", "1", "--calibrate", mode, "--json",
+                                              str(tmp_path / "v.json")])
+        assert result.exit_code == 0, result.output
+        record = json.loads((tmp_path / "v.json").read_text())
+        assert record["agreement"] == 1.0 and record["max_abs_logprob_diff"] <= 1e-4
+        assert record["calibration"]["mode"] == mode

@@ -182,3 +182,68 @@ def _ready(url: str) -> bool:
         return httpx.get(f"{url}/ready", timeout=1).status_code == 200
     except httpx.TransportError:
         return False
+
+
+def test_calibrated_task_with_descriptions_over_http(tiny):
+    from slimroute.calibration import content_free_offsets
+    from slimroute.engine import Engine
+    from slimroute.task import Task
+
+    task = Task.from_dict({"labels": [{"name": "billing", "description": "money"}, "technical", "account"]})
+    plain = Engine(*tiny, task)
+    engine = plain.with_calibration(content_free_offsets(plain, task.labels))
+    want = engine.classify(TEXTS[:5])
+    with live_server(create_app({"default": engine})) as url, RemoteClassifier(url) as clf:
+        got = clf.classify(TEXTS[:5])
+        info = httpx.get(f"{url}/v1/info").json()["tasks"][0]
+    assert [p.label for p in got] == [p.label for p in want]
+    for g, w in zip(got, want, strict=True):
+        assert g.calibrated_logprobs == pytest.approx(w.calibrated_logprobs, abs=1e-4)
+        assert g.probs == pytest.approx(w.probs, abs=1e-4) and g.raw_probs == pytest.approx(w.raw_probs, abs=1e-4)
+    assert info["descriptions"] == {"billing": "money"} and info["calibration"]["mode"] == "content-free"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--labels", LABELS, "--calibrate", "batch"], "on a server, --calibrate batch needs --calibration-data"),
+    (["--task", "{tasks}", "--examples", "{examples}"], "need a single task; the task file has 2"),
+    (["--labels", LABELS, "--examples", "{bad}"], "label 'sales' is not one of the task's labels"),
+    (["--labels", LABELS, "--calibrate", "fitted", "--calibration-data", "{bad}"], "gold label 'sales'"),
+])
+def test_serve_refuses_bad_accuracy_settings_before_loading(tmp_path, args, message):
+    tasks = tmp_path / "tasks.yaml"
+    tasks.write_text("tasks:\n  a: {labels: [x, y]}\n  b: {labels: [x, z]}\n")
+    examples = tmp_path / "examples.jsonl"
+    examples.write_text(json.dumps({"text": "hi", "label": "x"}) + "\n")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps({"text": t, "label": label}) + "\n"
+                           for t, label in [("a", "billing"), ("b", "technical"), ("c", "account"), ("d", "sales")]))
+    args = [a.format(tasks=tasks, examples=examples, bad=bad) for a in args]
+    result = CliRunner().invoke(cli.app, ["serve", "--model", str(tmp_path / "not-loaded"), *args])
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split())
+
+
+def test_slimroute_serve_with_examples_and_fitted_calibration(model_dir, tmp_path):
+    labelled = tmp_path / "labelled.jsonl"
+    labelled.write_text("".join(json.dumps({"text": t, "label": label}) + "\n" for t, label in [
+        ("refund my card", "billing"), ("app crash", "technical"), ("reset password", "account"),
+        ("charged twice", "billing"), ("error 500", "technical"), ("cannot log in", "account")]))
+    port = free_port()
+    command = [sys.executable, "-m", "slimroute.cli", "serve", "--model", str(model_dir), "--labels", LABELS,
+               "--port", str(port), "--threads", "1", "--examples", str(labelled), "--shots", "1",
+               "--calibrate", "fitted", "--calibration-data", str(labelled)]
+    proc = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _ready(url) or proc.poll() is not None, timeout=90)
+        assert proc.poll() is None, "slimroute serve exited early"
+        info = httpx.get(f"{url}/v1/info").json()["tasks"][0]
+        assert info["num_examples"] == 3 and info["calibration"]["mode"] == "fitted"
+        assert info["calibration"]["num_inputs"] == 6
+        result = httpx.post(f"{url}/v1/classify", json={"text": "refund please"}).json()["results"][0]
+        assert set(result["calibrated_logprobs"]) == set(LABELS.split(","))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

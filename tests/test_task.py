@@ -61,3 +61,44 @@ def test_task_from_dict_and_file(tmp_path):
     with pytest.raises(ValueError, match="unknown field"):
         Task.from_dict({"labels": ["a", "b"], "label": "oops"})
     assert Task.from_labels("a, b ,c").labels == ("a", "b", "c")
+
+
+def test_label_descriptions_go_into_the_system_prompt_only(tiny):
+    _, tok = tiny
+    plain = Task(LABELS)
+    described = Task.from_dict({"labels": [
+        {"name": "billing", "description": "charges, refunds,\n  invoices"},
+        "technical",
+        {"name": "account", "description": "signing in, passwords"},
+    ]})
+    assert described.labels == LABELS
+    assert described.descriptions == (("billing", "charges, refunds, invoices"), ("account", "signing in, passwords"))
+    assert described.system_prompt() == (
+        "Classify the support ticket into one category.\nCategories:\n- billing: charges, refunds, invoices\n"
+        "- technical\n- account: signing in, passwords\nAnswer with exactly one of: billing, technical, account.")
+    assert plain.system_prompt() == (
+        "Classify the support ticket into one category.\nAnswer with exactly one of: billing, technical, account.")
+    assert Prompt(described, tok).label_ids == Prompt(plain, tok).label_ids  # the model still answers the name
+    assert Task(LABELS, descriptions={"account": "signing in, passwords", "billing": "charges, refunds, invoices"}) \
+        == described  # the Python API takes a dict too
+    text = "I was charged twice"
+    assert encode(tok, render_prompt(tok, described, text)) == (
+        Prompt(described, tok).prefix_ids + Prompt(described, tok).item_ids(text))
+
+
+@pytest.mark.parametrize("labels, message", [
+    ([{"description": "no name"}, "b"], "needs a 'name'"),
+    ([{"name": "a", "description": 3}, "b"], "description of 'a' must be a string"),
+    ([{"name": "a", "description": "  "}, "b"], "description of 'a' is empty"),
+    ([{"name": "a", "description": "x"}, {"name": "a"}], "label 'a' is given twice"),
+    ([{"name": "a", "text": "x"}, "b"], "unknown field"),
+    ([{"name": 5}, "b"], "non-empty string"),
+])
+def test_bad_label_mappings_are_rejected(labels, message):
+    with pytest.raises(ValueError, match=message):
+        Task.from_dict({"labels": labels})
+
+
+def test_descriptions_of_unknown_labels_are_rejected():
+    with pytest.raises(ValueError, match="'c' is not one of the labels"):
+        Task(("a", "b"), descriptions={"c": "x"})

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from slimroute.config import EngineConfig
 from slimroute.models import DEFAULT_MODEL, ModelNotFoundError
+from slimroute.report import print_summary
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="A small LM as a fast, exact classifier.")
 data_app = typer.Typer(no_args_is_help=True, help="Sample data.")
@@ -33,10 +33,19 @@ THREADS = typer.Option(None, "--threads", help="Torch threads (default: physical
 DEVICE = typer.Option("cpu", "--device", help="cpu or cuda.")
 LABELS = typer.Option(None, "--labels", "-l", help="Comma-separated labels, e.g. billing,technical,account.")
 INSTRUCTIONS = typer.Option(None, "--instructions", help="Instructions for the model (system prompt).")
-TASK = typer.Option(None, "--task", help="Task file (YAML/JSON: labels, instructions, examples).")
-TEXT_COL = typer.Option("text", "--text-column")
+TASK = typer.Option(None, "--task", help="Task file (YAML/JSON: labels (names or {name, description}), "
+                                         "instructions, examples).")
+TEXT_COL = typer.Option("text", "--text-column", help="Text column (of the input, --examples, --calibration-data).")
 ID_COL = typer.Option("id", "--id-column")
-LABEL_COL = typer.Option(None, "--label-column", help="Gold-label column (default: 'label' when present).")
+LABEL_COL = typer.Option(None, "--label-column", help="Gold-label column (default: 'label' when present; also "
+                                                      "the label column of --examples and --calibration-data).")
+EXAMPLES = typer.Option(None, "--examples", help="Labelled file (CSV/JSONL/Parquet) of few-shot examples for the "
+                                                 "cached prefix: --shots per label, the first of each in file order.")
+SHOTS = typer.Option(None, "--shots", help="Examples per label from --examples (default 2).")
+CALIBRATE = typer.Option("none", "--calibrate", help="none, content-free, batch or fitted: offsets subtracted from "
+                                                     "the label log-probs before the decision (README).")
+CALIBRATION_DATA = typer.Option(None, "--calibration-data", help="fitted: labelled rows to fit the offsets on; "
+                                                                 "batch: texts to estimate them from.")
 BATCH = typer.Option(32, "--batch-size", "-b")
 MAX_TOKENS = typer.Option(512, "--max-batch-tokens",
                           help="Padded item tokens per batch (items x longest); 0: batch by count only.")
@@ -58,16 +67,35 @@ def fail(message: str, code: int = 2):
     raise typer.Exit(code)
 
 
-def build_task(labels, instructions, task_file):
+def build_task(labels, instructions, task_file, examples=None, shots=None, text_column="text", label_column=None):
+    from slimroute.examples import with_examples_from
     from slimroute.task import Task
 
     if task_file and labels:
         fail("give either --task or --labels, not both")
     if task_file:
-        return Task.from_file(task_file)
-    if labels is None:
+        task = Task.from_file(task_file)
+    elif labels is None:
         fail("no labels: pass --labels a,b,c or --task task.yaml")
-    return Task.from_labels(labels, instructions)
+    else:
+        task = Task.from_labels(labels, instructions)
+    return with_examples_from(task, examples, shots, text_column, label_column or "label")
+
+
+def calibration_settings(calibrate, calibration_data, text_column, label_column):
+    from slimroute.calibration import CalibrationSettings
+
+    return CalibrationSettings(calibrate, calibration_data, text_column, label_column or "label")
+
+
+def calibrated(classifier, calibration, stored: dict | None = None):
+    """calibration.calibrated behind a status line."""
+    from slimroute.calibration import calibrated as calibrate_classifier
+
+    if not calibration.on or stored is not None:
+        return calibrate_classifier(classifier, calibration, stored)
+    with console.status(f"calibrating ({calibration.mode})"):
+        return calibrate_classifier(classifier, calibration, stored)
 
 
 def load_head(head_dir):
@@ -76,13 +104,18 @@ def load_head(head_dir):
     return Head.load(head_dir) if head_dir else None
 
 
-def task_and_head(labels, instructions, task_file, head_dir):
-    """(task, head or None, answer labels); with a head and neither --labels nor --task, the head's own task."""
+def task_and_head(labels, instructions, task_file, head_dir, examples=None, shots=None, text_column="text",
+                  label_column=None):
+    """(task, head or None, answer labels); with a head and neither --labels nor --task, the head's own task.
+    --examples go into either prompt (a head then only fits if it was tuned with the same examples)."""
+    from slimroute.examples import with_examples_from
+
     head = load_head(head_dir)
     if head is not None and labels is None and task_file is None:
         the_task = head.task if instructions is None else replace(head.task, instructions=instructions)
+        the_task = with_examples_from(the_task, examples, shots, text_column, label_column or "label")
     else:
-        the_task = build_task(labels, instructions, task_file)
+        the_task = build_task(labels, instructions, task_file, examples, shots, text_column, label_column)
     return the_task, head, list(head.labels if head else the_task.labels)
 
 
@@ -118,53 +151,16 @@ def read_input(path, text_column, id_column, label_column, limit):
     return rows[:limit] if limit else rows
 
 
-def progress_bar() -> Progress:
-    return Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("{task.fields[rate]} items/s"), TimeRemainingColumn(), console=console,
-    )
+def progress_bar():
+    from slimroute.report import progress_bar as bar
+
+    return bar(console)
 
 
 def run_with_progress(classifier, rows, label="classify"):
-    from slimroute.jobs import classify_rows
+    from slimroute.report import run_with_progress as run
 
-    start = time.perf_counter()
-    with progress_bar() as bar:
-        task_id = bar.add_task(label, total=len(rows), rate="-")
-
-        def advance(n):
-            done = bar.tasks[0].completed + n
-            bar.update(task_id, advance=n, rate=f"{done / (time.perf_counter() - start):.1f}")
-
-        preds = classify_rows(classifier, rows, advance)
-    return preds, time.perf_counter() - start
-
-
-def print_summary(summary) -> None:
-    table = Table(title="summary", show_header=False)
-    table.add_row("items", str(summary.num_items))
-    if summary.dtype:
-        table.add_row("dtype", summary.dtype)
-    if summary.num_resumed:
-        table.add_row("resumed after", f"{summary.num_resumed} (done by the interrupted run)")
-    table.add_row("seconds", f"{summary.seconds:.2f}")
-    table.add_row("items/s", f"{summary.items_per_s:.2f}")
-    table.add_row("row errors", str(summary.num_errors))
-    table.add_row("truncated", str(summary.num_truncated))
-    if summary.padding_overhead is not None:
-        table.add_row("padding overhead", f"{100 * summary.padding_overhead:.1f}%")
-    if summary.accuracy is not None:
-        table.add_row("accuracy", f"{100 * summary.accuracy:.1f}% of {summary.num_gold}")
-    console.print(table)
-    if summary.confusion:
-        golds = sorted({g for g, _ in summary.confusion} | set(summary.labels))
-        matrix = Table(title="confusion (rows: gold, columns: predicted)")
-        matrix.add_column("gold")
-        for label in summary.labels:
-            matrix.add_column(label, justify="right")
-        for gold in golds:
-            matrix.add_row(gold, *(str(summary.confusion.get((gold, p), 0)) for p in summary.labels))
-        console.print(matrix)
+    return run(console, classifier, rows, label)
 
 
 @app.command()
@@ -177,6 +173,8 @@ def classify(
     batch_size: int = BATCH, max_batch_tokens: int = MAX_TOKENS, no_prefix_cache: bool = NO_PREFIX,
     no_sort: bool = NO_SORT, decision: str = DECISION, limit: int = LIMIT,
     max_padding: float = MAX_PADDING, recheck_margin: float = RECHECK, head: Path = HEAD,
+    examples: Path = EXAMPLES, shots: int = SHOTS, calibrate: str = CALIBRATE,
+    calibration_data: Path = CALIBRATION_DATA,
     reference: bool = typer.Option(False, "--reference", help="Use the slow one-at-a-time reference path."),
     summary_json: Path = typer.Option(None, "--summary-json", help="Also write the summary as JSON."),
     window: int = typer.Option(2048, "--window", help="Rows read, classified and committed together."),
@@ -203,11 +201,16 @@ def classify(
         fail(f"--backend must be local or ray, got {backend!r}")
     if head and (server or backend != "local"):
         fail("--head runs on the local engine; leave out --server and --backend ray")
+    if calibrate != "none" and (backend == "ray" or server):
+        fail("--calibrate runs with the local engine only: with --server it is the server's setting "
+             "(slimroute serve --calibrate); the Ray backend does not calibrate yet")
+    if examples is not None and server:
+        fail("with --server the prompt is the server's; start it with slimroute serve --examples")
     if backend == "ray":
         return classify_on_ray(input, out, labels, instructions, task, model, dtype, text_column, id_column,
                                label_column, engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort,
                                                            decision, max_padding, recheck_margin, dtype),
-                               replicas, threads_per_replica, ray_address)
+                               replicas, threads_per_replica, ray_address, examples, shots)
     try:
         remote = None
         if server:
@@ -219,7 +222,10 @@ def classify(
             the_task = build_task(labels, instructions, task) if (labels or task) else served
             the_head, answers = None, list(the_task.labels)
         else:
-            the_task, the_head, answers = task_and_head(labels, instructions, task, head)
+            the_task, the_head, answers = task_and_head(labels, instructions, task, head, examples, shots,
+                                                        text_column, label_column)
+        calibration = calibration_settings(calibrate, calibration_data, text_column, label_column)
+        calibration.check_data(answers)  # before the model loads
         config = engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort, decision, max_padding,
                                recheck_margin, dtype)
         job = JobConfig(window, limit, resume, overwrite, errors)
@@ -230,11 +236,15 @@ def classify(
             threads=threads or physical_cores(), reference=reference, window=job.window,
             columns=(text_column, id_column, label_column), limit=job.limit, errors=job.errors,
             server=server, server_task=server_task, head=the_head.digest if the_head else None,
+            calibration=calibration.fingerprint(),
         )
         output = DurableOutput.prepare(out, answers, input_fingerprint(input), settings,
-                                       resume=job.resume, overwrite=job.overwrite, errors=job.errors)
+                                       resume=job.resume, overwrite=job.overwrite, errors=job.errors,
+                                       raw_columns=calibration.on)
         classifier = remote or make_classifier(load(model, dtype, threads, device), the_task, config, reference,
                                                the_head)
+        classifier, offsets = calibrated(classifier, calibration, output.record.calibration)
+        output.record.calibration = offsets.to_dict() if offsets is not None else None
     except (ValueError, ModelNotFoundError) as exc:
         fail(str(exc))
     except KeyboardInterrupt:
@@ -252,16 +262,17 @@ def classify(
                       f"are already committed to {out}")
     elif job.resume:
         console.print(f"nothing to resume for {out}; starting from the first row")
-    summary.seconds = run_job_with_progress(classifier, rows, output, summary, job.window, total)
+    summary.seconds = run_job_with_progress(classifier, rows, output, summary, job.window, total,
+                                            calibration.mode == "batch")
     stats = getattr(classifier, "stats", None)
     if stats is not None:
         summary.padding_overhead = stats.padding.overhead
     if summary.num_truncated:
         console.print(f"[yellow]warning:[/] {summary.num_truncated} text(s) were longer than the context "
                       "and were truncated (their first tokens were kept)")
-    print_summary(summary)
+    record = print_summary(console, summary, classifier, output.record.calibration)
     if summary_json:
-        summary_json.write_text(json.dumps(summary.to_dict(), indent=2))
+        summary_json.write_text(json.dumps(record, indent=2))
     if job.errors:
         console.print(f"wrote {summary.num_items - summary.num_errors} predictions to {out} "
                       f"and {summary.num_errors} failed rows to {job.errors}")
@@ -270,20 +281,22 @@ def classify(
 
 
 def classify_on_ray(input, out, labels, instructions, task, model, dtype, text_column, id_column, label_column,
-                    config, replicas, threads_per_replica, ray_address):
+                    config, replicas, threads_per_replica, ray_address, examples=None, shots=None):
     try:
         from slimroute.backends.ray import run_ray_job
     except ImportError as exc:
         fail(f"the Ray backend needs Ray: pip install 'slimroute[ray]' ({exc})")
     try:
-        summary = run_ray_job(input, out, build_task(labels, instructions, task), model, config, replicas,
+        the_task = build_task(labels, instructions, task, examples, shots, text_column, label_column)
+        summary = run_ray_job(input, out, the_task, model, config, replicas,
                               threads_per_replica, ray_address, text_column, id_column, label_column, dtype)
     except (ValueError, ModelNotFoundError) as exc:
         fail(str(exc))
     console.print_json(json.dumps(summary))
 
 
-def run_job_with_progress(classifier, rows, output, summary, window: int, total: int | None) -> float:
+def run_job_with_progress(classifier, rows, output, summary, window: int, total: int | None,
+                          batch_calibration: bool = False) -> float:
     """jobs.run_job behind a progress bar; seconds taken. Ctrl-C, a failed write or an input that turns
     out to be malformed part-way end the command, saying what is committed and what to do."""
     from slimroute.data import InputError
@@ -298,7 +311,7 @@ def run_job_with_progress(classifier, rows, output, summary, window: int, total:
                 done = bar.tasks[0].completed + n - summary.num_resumed  # in this run
                 bar.update(task_id, advance=n, rate=f"{done / (time.perf_counter() - start):.1f}")
 
-            run_job(classifier, rows, output, summary, window, advance)
+            run_job(classifier, rows, output, summary, window, advance, batch_calibration)
     except (KeyboardInterrupt, OSError, ValueError) as exc:  # ValueError: InputError, pyarrow's errors
         record = output.record
         windows = f"{record.windows_done} whole window{'' if record.windows_done == 1 else 's'}"
@@ -339,29 +352,43 @@ def verify(
     batch_size: int = BATCH, max_batch_tokens: int = MAX_TOKENS, no_prefix_cache: bool = NO_PREFIX,
     no_sort: bool = NO_SORT, decision: str = DECISION, limit: int = LIMIT,
     max_padding: float = MAX_PADDING, recheck_margin: float = RECHECK, head: Path = HEAD,
+    examples: Path = EXAMPLES, shots: int = SHOTS, calibrate: str = CALIBRATE,
+    calibration_data: Path = CALIBRATION_DATA,
     json_out: Path = typer.Option(None, "--json", help="Write the agreement record here."),
 ):
     """Run the reference and the fast path on the same items; exit 1 on any disagreement.
 
-    With --head both apply the head, to the hidden state each computes; its log-probs are compared."""
+    With --head both apply the head, to the hidden state each computes; its log-probs are compared.
+    Calibration offsets are estimated once (by the fast path; batch: over all the rows verified) and
+    applied to both paths."""
+    from slimroute.calibration import estimate_offsets
     from slimroute.verify import compare
 
     try:
-        the_task, the_head, _ = task_and_head(labels, instructions, task, head)
+        the_task, the_head, answers = task_and_head(labels, instructions, task, head, examples, shots, text_column,
+                                                    label_column)
+        calibration = calibration_settings(calibrate, calibration_data, text_column, label_column)
+        calibration.check_data(answers)
         config = engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort, decision, max_padding,
                                recheck_margin, dtype)
         rows = read_input(input, text_column, id_column, label_column, limit)
         loaded = load(model, dtype, threads, device)
-        fast = make_classifier(loaded, the_task, config, head=the_head)
-        ref = make_classifier(loaded, the_task, config, reference=True, head=the_head)
+        fast, offsets = calibrated(make_classifier(loaded, the_task, config, head=the_head), calibration)
+        ref = make_classifier(loaded, the_task, config, reference=True, head=the_head).with_calibration(offsets)
     except (ValueError, ModelNotFoundError) as exc:
         fail(str(exc))
     ref_preds, ref_s = run_with_progress(ref, rows, "reference")
     fast_preds, fast_s = run_with_progress(fast, rows, "fast path")
+    if calibration.mode == "batch" and offsets is None:
+        offsets = estimate_offsets("batch", fast_preds, fast.labels, f"the {len(rows)} rows verified")
+        texts = [row.text for row in rows]
+        fast_preds = fast.with_calibration(offsets).redecide(texts, fast_preds)
+        ref_preds = ref.with_calibration(offsets).redecide(texts, ref_preds)
     result = compare([r.id for r in rows], ref_preds, fast_preds)
     record = {**result.to_dict(), "reference_s": ref_s, "fast_s": fast_s, "dtype": loaded.precision,
               "dtype_reason": loaded.precision_reason, "model": model, "padding_overhead": fast.stats.padding.overhead,
-              "head": str(head) if head else None}
+              "head": str(head) if head else None, "prefix_tokens": len(fast.prompt.prefix_ids),
+              "calibration": offsets.to_dict() if offsets is not None else None}
     console.print(
         f"dtype {loaded.precision} ({loaded.precision_reason}): "
         f"label agreement {100 * result.agreement:.2f}% ({result.num_agree}/{result.num_items}), "
@@ -430,6 +457,36 @@ def tune(
     console.print(f"wrote {out / 'head.safetensors'} and {out / 'head.json'}")
 
 
+@app.command("eval")
+def evaluate(
+    predictions: Path = typer.Argument(..., help="Predictions from classify (CSV, JSONL or Parquet)."),
+    gold: Path = typer.Option(..., "--gold", help="File with the gold labels (e.g. classify's input), joined by id."),
+    id_column: str = typer.Option("id", "--id-column", help="Id column of --gold (else the row number)."),
+    label_column: str = typer.Option("label", "--label-column", help="Gold-label column of --gold."),
+    plot: Path = typer.Option(None, "--plot", help="Also write a confusion-matrix PNG (needs matplotlib)."),
+    json_out: Path = typer.Option(None, "--json", help="Also write the metrics as JSON."),
+):
+    """Accuracy, macro-F1, per-label precision / recall / F1 / support and the confusion matrix."""
+    from slimroute.evaluate import evaluate_files
+    from slimroute.metrics import check_plotting, plot_confusion
+    from slimroute.report import print_evaluation
+
+    try:
+        if plot is not None:
+            check_plotting(plot)
+        evaluation = evaluate_files(predictions, gold, id_column, label_column)
+    except ValueError as exc:
+        fail(str(exc))
+    print_evaluation(Console(), evaluation)
+    if json_out:
+        json_out.write_text(json.dumps(evaluation.to_dict(), indent=2))
+    if plot:
+        plot_confusion(evaluation.metrics, plot, predictions.name)
+    written = [str(p) for p in (json_out, plot) if p]
+    if written:
+        console.print("wrote " + ", ".join(written))
+
+
 @app.command()
 def bench(
     n: int = typer.Option(600, "--n", help="Tickets from the bundled sample."),
@@ -442,11 +499,16 @@ def bench(
     plot: bool = typer.Option(False, "--plot", help="Also write a PNG bar chart."),
     recheck_margin: float = typer.Option(None, "--recheck-margin",
                                          help="Also run bf16 with the near-tie recheck at this margin."),
+    accuracy: bool = typer.Option(False, "--accuracy", help="Accuracy rows instead: descriptions, calibration, "
+                                                            "few-shot from a file (first --dtype; default float32)."),
 ):
     """The seed experiment on this CPU: baseline, reference and all techniques combined, for every dtype."""
     from slimroute.bench import markdown, run_bench, write_outputs
 
     command = "slimroute " + " ".join(sys.argv[1:])
+    if accuracy:
+        return bench_accuracy(min(n, 100) if quick else n, model, (dtype or ["float32"])[0], threads, batch_size,
+                              max_batch_tokens, out, command)
     try:
         record = run_bench(n, batch_size, tuple(dtype or ()), model, threads, max_batch_tokens, quick, recheck_margin,
                            ablation, log=lambda line: console.print(line, highlight=False))
@@ -454,6 +516,19 @@ def bench(
         fail(str(exc))
     paths = write_outputs(record, out, command, plot)
     print(markdown(record, command))
+    console.print("wrote " + ", ".join(str(p) for p in paths.values()))
+
+
+def bench_accuracy(n, model, dtype, threads, batch_size, max_batch_tokens, out, command):
+    from slimroute import bench_accuracy as accuracy
+
+    try:
+        record = accuracy.run_accuracy_bench(n, model, dtype, threads, batch_size, max_batch_tokens,
+                                             log=lambda line: console.print(line, highlight=False))
+    except (ValueError, ModelNotFoundError) as exc:
+        fail(str(exc))
+    paths = accuracy.write_outputs(record, out, command)
+    print(accuracy.markdown(record, command))
     console.print("wrote " + ", ".join(str(p) for p in paths.values()))
 
 
@@ -533,10 +608,16 @@ def serve(
                                       "(repeat for several keys; default: $SLIMROUTE_API_KEY, comma-separated)."),
     api_key_file: Path = typer.Option(None, "--api-key-file", help="Accepted keys, one per line ('#' comments)."),
     metrics_need_key: bool = typer.Option(False, "--metrics-need-key", help="Put /metrics behind the key too."),
+    examples: Path = EXAMPLES, shots: int = SHOTS, calibrate: str = CALIBRATE,
+    calibration_data: Path = CALIBRATION_DATA, text_column: str = TEXT_COL, label_column: str = LABEL_COL,
 ):
-    """Serve classification over HTTP, micro-batching concurrent requests (docs/server.md)."""
+    """Serve classification over HTTP, micro-batching concurrent requests (docs/server.md).
+
+    Calibration offsets are estimated or fitted once at startup (batch: from --calibration-data, never
+    from requests) and fixed while the server runs."""
     from slimroute.server import TaskSet, prepare
     from slimroute.server import serve as run_server
+    from slimroute.server.tasks import with_accuracy_options
 
     try:
         the_head, head_tasks = None, None
@@ -548,6 +629,8 @@ def serve(
             max_gather_tokens=max_gather_tokens, max_wait_ms=max_wait_ms, max_queue=max_queue, max_texts=max_texts,
             max_text_chars=max_text_chars, max_text_tokens=max_text_tokens, max_body_bytes=max_body_bytes,
             api_keys=api_key, api_key_file=api_key_file, metrics_need_key=metrics_need_key)
+        calibration = calibration_settings(calibrate, calibration_data, text_column, label_column)
+        task_set = with_accuracy_options(task_set, examples, shots, text_column, label_column or "label", calibration)
         config = engine_config(batch_size, max_batch_tokens, False, False, decision, max_padding, recheck_margin,
                                dtype)
         choice = resolve_dtype(dtype, device)
@@ -556,7 +639,7 @@ def serve(
     console.print(f"serving {', '.join(task_set.tasks)} on http://{host}:{port} (docs: /docs), loading {model} "
                   f"({choice})")
     raise typer.Exit(run_server(task_set, model, dtype, threads, device, config, settings, host, port,
-                                access_log=access_log, head=the_head))
+                                access_log=access_log, head=the_head, calibration=calibration))
 
 
 def main():

@@ -50,7 +50,9 @@ def classify_path(task_name: str | None) -> str:
 
 def to_prediction(item: dict) -> Prediction:
     logprobs = dict(item["logprobs"])
-    return Prediction(item["label"], logprobs, item.get("num_tokens", 0), item.get("truncated", False))
+    calibrated = item.get("calibrated_logprobs")
+    return Prediction(item["label"], logprobs, item.get("num_tokens", 0), item.get("truncated", False),
+                      calibrated_logprobs=dict(calibrated) if calibrated is not None else None)
 
 
 def raise_for_error(response: httpx.Response) -> None:

@@ -258,26 +258,67 @@ def count_rows(path) -> int | None:
     return None
 
 
+def iter_records(path) -> Iterator[dict]:
+    """Every row of a .csv / .jsonl / .parquet file as a dict of its columns, for files read by column
+    name (predictions, gold labels). A JSONL line that is not an object counts as a row with no columns."""
+    path, fmt = _check_input(path)
+    if fmt == "csv":
+        records = _csv_records(path)
+        header = [_clean(h) for h in next(records, [])]
+        for values in records:
+            yield {h: _clean(v) for h, v in zip(header, values, strict=False)}
+    elif fmt == "parquet":
+        for batch in _open_parquet(path).iter_batches():
+            yield from batch.to_pylist()
+    else:
+        for line in _jsonl_lines(path):
+            obj, _ = _parse_jsonl(line)
+            yield obj if obj is not None else {}
+
+
+def record_columns(path) -> list[str]:
+    """The file's column names (JSONL: the keys of its first objects)."""
+    path, fmt = _check_input(path)
+    if fmt == "csv":
+        return [_clean(h) for h in next(_csv_records(path), [])]
+    if fmt == "parquet":
+        return list(_open_parquet(path).schema_arrow.names)
+    seen: dict[str, None] = {}
+    for number, line in enumerate(_jsonl_lines(path)):
+        obj, _ = _parse_jsonl(line)
+        seen.update(dict.fromkeys(obj or {}))
+        if number + 1 >= _JSONL_LOOKAHEAD:
+            break
+    return list(seen)
+
+
 # --------------------------------------------------------------------------- writing predictions
 
 
-def output_columns(labels: list[str]) -> list[str]:
-    return ["id", "label", *(f"p_{label}" for label in labels), "truncated", "error"]
+def output_columns(labels: list[str], raw: bool = False) -> list[str]:
+    """raw: calibration is on, so the model's own probabilities follow the calibrated ones."""
+    raw_columns = [f"raw_p_{label}" for label in labels] if raw else []
+    return ["id", "label", *(f"p_{label}" for label in labels), *raw_columns, "truncated", "error"]
 
 
-def output_record(row: Row, pred: Prediction, labels: list[str]) -> dict:
-    """One output row; an error row (from the input or the model) has no label and no probabilities."""
+def output_record(row: Row, pred: Prediction, labels: list[str], raw: bool = False) -> dict:
+    """One output row; an error row (from the input or the model) has no label and no probabilities.
+    p_<label> are the probabilities the decision used (calibrated, when calibration is on); with raw=True
+    raw_p_<label> are the model's own, both renormalised over the labels."""
     error = row.error or pred.error
     probs = {} if error else pred.probs
     record: dict = {"id": row.id, "label": None if error else pred.label}
     record.update({f"p_{label}": probs.get(label) for label in labels})
+    if raw:
+        raw_probs = {} if error else pred.raw_probs
+        record.update({f"raw_p_{label}": raw_probs.get(label) for label in labels})
     record.update({"truncated": bool(pred.truncated), "error": error})
     return record
 
 
-def output_schema(labels: list[str]) -> pa.Schema:
+def output_schema(labels: list[str], raw: bool = False) -> pa.Schema:
     fields = [pa.field("id", pa.string()), pa.field("label", pa.string())]
-    fields += [pa.field(f"p_{label}", pa.float64()) for label in labels]
+    fields += [pa.field(name, pa.float64()) for name in output_columns(labels, raw)[2:-2]]
     return pa.schema(fields + [pa.field("truncated", pa.bool_()), pa.field("error", pa.string())])
 
 
@@ -365,3 +406,20 @@ def write_records(path, records: list[dict]) -> None:
         with open(path, "w", encoding="utf-8") as f:
             for rec in records:
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+
+
+def read_labelled(path, text_column: str = "text", label_column: str | None = "label",
+                  what: str = "labelled file") -> list[tuple[str, str | None]]:
+    """(text, label) pairs of a small curated file (few-shot examples, calibration data). Unlike the input
+    to classify, a bad row is an InputError naming it; label_column=None reads texts only (label None)."""
+    pairs = []
+    for row in iter_rows(path, text_column, "id", label_column):
+        where = f"{what} {str(path)!r}, row {row.index} (id {row.id})"
+        if row.error is not None:
+            raise InputError(f"{where}: {row.error}")
+        if label_column is not None and row.gold is None:
+            raise InputError(f"{where} has no label in column {label_column!r}")
+        pairs.append((row.text, row.gold if label_column is not None else None))
+    if not pairs:
+        raise InputError(f"{what} {str(path)!r} has no rows")
+    return pairs

@@ -5,11 +5,13 @@ continue after the prefix), the hidden state at each item's last real token is s
 the label tokens' head rows, and each multi-token label's continuation is scored in one extra
 batched step over a non-mutating copy of the batch's cache. With a tuned head (head.py) that same
 hidden state (and, if the head uses them, the label log-probs) goes through the head instead, whose
-labels are the answers; `features` hands the head's inputs out for tuning.
+labels are the answers; `features` hands the head's inputs out for tuning. Calibration offsets, when
+set, are subtracted from the answers' log-probs before the decision, exactly as in the reference.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 
@@ -20,7 +22,7 @@ from slimroute.batching import PaddingStats, pad_right, plan_batches
 from slimroute.config import EngineConfig
 from slimroute.head import head_features, label_totals
 from slimroute.kernels import return_freed_memory
-from slimroute.labels import Prediction, decision_margin, make_prediction
+from slimroute.labels import Prediction, apply_offsets, decision_margin, make_prediction
 from slimroute.prefix_cache import PrefixCache, continue_cache
 from slimroute.scoring import LabelScorer
 from slimroute.task import Prompt, Task
@@ -46,10 +48,11 @@ class EngineStats:
 
 class Engine:
     def __init__(self, model, tokenizer, task: Task, config: EngineConfig | None = None, max_positions=None,
-                 recheck=None, head=None):
+                 recheck=None, head=None, calibration=None):
         """recheck: a callable text -> Prediction (the reference's classify_one) used for near-ties
         when config.recheck_margin is set. head: a tuned Head (head.py) that decides instead of the label
-        tokens; it must have been tuned on this model, tokenizer and task (else HeadMismatchError)."""
+        tokens; it must have been tuned on this model, tokenizer and task (else HeadMismatchError).
+        calibration: calibration.Offsets subtracted from the answers' log-probs before the decision."""
         self.model, self.tokenizer, self.task = model, tokenizer, task
         self.config = config or EngineConfig()
         self.max_positions = max_positions or int(getattr(model.config, "max_position_embeddings", 32768))
@@ -66,16 +69,38 @@ class Engine:
         self.scorer = LabelScorer(model.get_output_embeddings(), tokens)
         self.prefix = PrefixCache(model, self.prompt.prefix_ids) if self.config.prefix_cache else None
         self.stats = EngineStats()  # totals over the engine's life
-        if self.config.recheck_margin is not None and recheck is None:
-            from slimroute.reference import ReferenceClassifier
+        self.calibration = calibration.check(self.labels, self.answer_ids) if calibration is not None else None
+        self._offsets = self.calibration.values if self.calibration is not None else None
+        self._own_recheck = self.config.recheck_margin is not None and recheck is None
+        self.recheck = self._reference_recheck() if self._own_recheck else recheck
 
-            recheck = ReferenceClassifier(model, tokenizer, task, self.config.decision, self.max_positions,
-                                          head).classify_one
-        self.recheck = recheck
+    def _reference_recheck(self):
+        from slimroute.reference import ReferenceClassifier
+
+        return ReferenceClassifier(self.model, self.tokenizer, self.task, self.config.decision, self.max_positions,
+                                   self.head, self.calibration).classify_one
 
     @classmethod
-    def from_loaded(cls, loaded, task: Task, config: EngineConfig | None = None, head=None) -> Engine:
-        return cls(loaded.model, loaded.tokenizer, task, config, loaded.max_positions, head=head)
+    def from_loaded(cls, loaded, task: Task, config: EngineConfig | None = None, head=None,
+                    calibration=None) -> Engine:
+        return cls(loaded.model, loaded.tokenizer, task, config, loaded.max_positions, head=head,
+                   calibration=calibration)
+
+    def with_calibration(self, offsets) -> Engine:
+        """This engine (model, prefix cache, running stats shared) deciding with `offsets`."""
+        engine = copy.copy(self)
+        engine.calibration = offsets.check(self.labels, self.answer_ids) if offsets is not None else None
+        engine._offsets = engine.calibration.values if engine.calibration is not None else None
+        if self._own_recheck:
+            engine.recheck = engine._reference_recheck()
+        return engine
+
+    def redecide(self, texts: list[str], preds: list[Prediction]) -> list[Prediction]:
+        """Predictions made before the offsets were known (a stream's first window), decided again with
+        them, near-ties rechecked as in classify."""
+        return [p if p.error is not None or p.token_logprobs is None
+                else self._decide(text, p.token_logprobs, p.num_tokens, p.truncated)
+                for text, p in zip(texts, preds, strict=True)]
 
     def encode(self, texts: list[str]) -> tuple[list[list[int]], list[bool]]:
         fitted = [self.prompt.fit_text(t) for t in texts]
@@ -102,15 +127,7 @@ class Engine:
             run.padding.add([lengths[i] for i in batch])
             run.num_batches += 1
             for i, lps in zip(batch, token_logprobs, strict=True):
-                if cfg.recheck_margin is not None and decision_margin(cfg.decision, self.answer_ids, lps) < (
-                    cfg.recheck_margin
-                ):
-                    results[i] = self.recheck(texts[i])
-                    run.num_rechecked += 1
-                    continue
-                results[i] = make_prediction(
-                    self.labels, self.answer_ids, lps, cfg.decision, self._prompt_len(lengths[i]), truncated[i]
-                )
+                results[i] = self._decide(texts[i], lps, self._prompt_len(lengths[i]), truncated[i], run)
             return_freed_memory()  # a long batch's activations stay out of the RSS once it is done
             if progress:
                 progress(len(batch))
@@ -121,6 +138,15 @@ class Engine:
         self.last_stats = run
         self.stats.merge(run)
         return results
+
+    def _decide(self, text: str, lps, num_tokens: int, truncated: bool, run: EngineStats | None = None) -> Prediction:
+        cfg = self.config
+        if cfg.recheck_margin is not None:
+            scores = apply_offsets(lps, self._offsets) if self._offsets is not None else lps
+            if decision_margin(cfg.decision, self.answer_ids, scores) < cfg.recheck_margin:
+                (run or self.stats).num_rechecked += 1
+                return self.recheck(text)
+        return make_prediction(self.labels, self.answer_ids, lps, cfg.decision, num_tokens, truncated, self._offsets)
 
     @torch.inference_mode()
     def features(self, texts: list[str], with_label_logprobs: bool = False, progress=None) -> torch.Tensor:

@@ -16,8 +16,10 @@ from dataclasses import asdict, dataclass, field
 from itertools import islice
 from pathlib import Path
 
+from slimroute.calibration import estimate_offsets
 from slimroute.data import Row
 from slimroute.labels import Prediction
+from slimroute.metrics import Metrics
 
 DEFAULT_WINDOW = 2048
 
@@ -47,11 +49,23 @@ def windows(rows: Iterable[Row], size: int) -> Iterator[list[Row]]:
 
 
 def run_job(classifier, rows: Iterable[Row], output, summary: JobSummary, window: int = DEFAULT_WINDOW,
-            progress: Callable[[int], None] | None = None) -> JobSummary:
+            progress: Callable[[int], None] | None = None, batch_calibration: bool = False) -> JobSummary:
     """Classify `rows` into `output` (a started DurableOutput) window by window, skipping the rows it
-    has already committed, then finish it. An exception leaves every committed window in place."""
+    has already committed, then finish it. An exception leaves every committed window in place.
+
+    batch_calibration: unless the output's record already holds offsets, estimate batch-calibration offsets
+    from the first window with a scored row (its rows' mean label log-probs), decide that window again with
+    them and keep them fixed for every later window; they are committed with that window, so a resumed
+    job (which starts from the record's offsets) decides exactly as an uninterrupted one."""
     for batch in windows(islice(rows, output.record.rows_done, None), window):
         preds = classify_rows(classifier, batch, progress)
+        if batch_calibration and output.record.calibration is None and any(p.token_logprobs for p in preds):
+            first = output.record.rows_done
+            offsets = estimate_offsets("batch", preds, classifier.labels,
+                                       f"the run's first window, rows {first}-{first + len(batch) - 1}")
+            classifier = classifier.with_calibration(offsets)
+            preds = classifier.redecide([row.text for row in batch], preds)
+            output.record.calibration = offsets.to_dict()
         summary.add(batch, preds)
         output.commit(batch, preds, summary.state())
     output.finish()
@@ -60,13 +74,16 @@ def run_job(classifier, rows: Iterable[Row], output, summary: JobSummary, window
 
 def job_settings(*, task, config, model: str, dtype: str, device: str, threads: int, reference: bool,
                  window: int, columns: tuple, limit: int | None, errors: Path | None,
-                 server: str | None = None, server_task: str | None = None, head: str | None = None) -> dict:
+                 server: str | None = None, server_task: str | None = None, head: str | None = None,
+                 calibration: dict | None = None) -> dict:
     """Everything that can change the output's bytes; a job resumes only when these are unchanged
-    (with --server the answers come from that server and task, so they count too; with --head, its digest)."""
+    (with --server the answers come from that server and task, so they count too; with --head, its digest;
+    calibration: the mode and what its offsets come from, e.g. the calibration data's fingerprint)."""
     import torch
     import transformers
 
-    prompt = json.dumps([task.instructions, [[ex.text, ex.label] for ex in task.examples]])
+    parts = [task.instructions, [[ex.text, ex.label] for ex in task.examples]]
+    prompt = json.dumps(parts + ([[list(pair) for pair in task.descriptions]] if task.descriptions else []))
     if Path(model).expanduser().exists():  # a folder or .gguf file, however it was spelled
         model = str(Path(model).expanduser().resolve())
     return {
@@ -76,6 +93,7 @@ def job_settings(*, task, config, model: str, dtype: str, device: str, threads: 
         "window": window, "columns": list(columns), "limit": limit or None,
         "errors": str(Path(errors).resolve()) if errors else None,
         "server": server.rstrip("/") if server else None, "server_task": server_task if server else None,
+        **({"calibration": calibration} if calibration else {}),  # absent when off: older records still resume
         "torch": torch.__version__, "transformers": transformers.__version__,
         **({"head": head} if head else {}),
     }
@@ -136,11 +154,12 @@ class JobSummary:
     def num_gold(self) -> int:
         return sum(self.confusion.values())
 
+    def metrics(self) -> Metrics:
+        return Metrics.from_counts(self.confusion, self.labels)
+
     @property
     def accuracy(self) -> float | None:
-        if not self.num_gold:
-            return None
-        return sum(n for (gold, pred), n in self.confusion.items() if gold == pred) / self.num_gold
+        return self.metrics().accuracy
 
     def add(self, rows: Iterable[Row], preds: Iterable[Prediction]) -> None:
         for row, pred in zip(rows, preds, strict=True):
@@ -162,6 +181,7 @@ class JobSummary:
             "seconds": round(self.seconds, 3),
             "items_per_s": round(self.items_per_s, 3),
             "accuracy": self.accuracy,
+            "macro_f1": self.metrics().macro_f1,
             "padding_overhead": self.padding_overhead,
             "confusion": [[g, p, n] for (g, p), n in sorted(self.confusion.items())],
         }

@@ -6,6 +6,9 @@ Decision rules (both paths use these; the log-probs themselves are computed sepa
   A label whose tokens are a strict prefix of another label's wins as soon as it is complete.
 - `max-prob`: the label with the highest total log-probability (sum over its tokens).
 They differ when labels have different lengths or share first tokens.
+
+Calibration (calibration.py) subtracts an offset from each label token's log-prob before either
+rule decides; the model's own log-probs are kept next to the calibrated ones.
 """
 
 from __future__ import annotations
@@ -64,16 +67,23 @@ def trie_paths(label_ids: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
 
 
 class Prediction:
-    """One item's answer: the chosen label and each label's exact log-probability."""
+    """One item's answer: the chosen label and each label's exact log-probability.
 
-    __slots__ = ("label", "logprobs", "num_tokens", "truncated", "error")
+    `logprobs` are the model's (the sum over each label's tokens; `token_logprobs` per token). With
+    calibration, `calibrated_logprobs` are the scores the decision used (log-prob minus offsets) and
+    `probs` come from them; `raw_probs` always come from the model's log-probs."""
 
-    def __init__(self, label=None, logprobs=None, num_tokens=0, truncated=False, error=None):
+    __slots__ = ("label", "logprobs", "num_tokens", "truncated", "error", "token_logprobs", "calibrated_logprobs")
+
+    def __init__(self, label=None, logprobs=None, num_tokens=0, truncated=False, error=None, token_logprobs=None,
+                 calibrated_logprobs=None):
         self.label: str | None = label
         self.logprobs: dict[str, float] = logprobs or {}
         self.num_tokens: int = num_tokens
         self.truncated: bool = truncated
         self.error: str | None = error
+        self.token_logprobs: list[list[float]] | None = token_logprobs  # [label][token], the model's
+        self.calibrated_logprobs: dict[str, float] | None = calibrated_logprobs
 
     @classmethod
     def failed(cls, error: str) -> Prediction:
@@ -81,22 +91,50 @@ class Prediction:
 
     @property
     def probs(self) -> dict[str, float]:
-        """Probabilities renormalised over the labels (they sum to 1)."""
-        if not self.logprobs:
-            return {}
-        top = max(self.logprobs.values())
-        exp = {k: math.exp(v - top) for k, v in self.logprobs.items()}
-        total = sum(exp.values())
-        return {k: v / total for k, v in exp.items()}
+        """The decision's probabilities, renormalised over the labels (they sum to 1): calibrated when
+        calibration is on, else the model's."""
+        return _renormalised(self.calibrated_logprobs if self.calibrated_logprobs is not None else self.logprobs)
+
+    @property
+    def raw_probs(self) -> dict[str, float]:
+        """The model's probabilities renormalised over the labels, whatever the calibration."""
+        return _renormalised(self.logprobs)
 
     def __repr__(self):
         return f"Prediction(label={self.label!r}, error={self.error!r})"
 
 
-def make_prediction(labels, label_ids, token_logprobs, rule, num_tokens=0, truncated=False) -> Prediction:
-    choice = decide(rule, label_ids, token_logprobs)
+def _renormalised(logprobs: dict[str, float]) -> dict[str, float]:
+    if not logprobs:
+        return {}
+    top = max(logprobs.values())
+    exp = {k: math.exp(v - top) for k, v in logprobs.items()}
+    total = sum(exp.values())
+    return {k: v / total for k, v in exp.items()}
+
+
+def apply_offsets(token_logprobs: list[list[float]], offsets) -> list[list[float]]:
+    """Calibrated per-token scores: each label token's log-prob minus its offset (offsets[label][token])."""
+    return [[lp - b for lp, b in zip(lps, bs, strict=True)] for lps, bs in zip(token_logprobs, offsets, strict=True)]
+
+
+def make_prediction(labels, label_ids, token_logprobs, rule, num_tokens=0, truncated=False,
+                    offsets=None) -> Prediction:
+    """The decision over the label tokens' log-probs, after subtracting `offsets` when given."""
+    scores = apply_offsets(token_logprobs, offsets) if offsets is not None else token_logprobs
+    choice = decide(rule, label_ids, scores)
     logprobs = {label: float(sum(lps)) for label, lps in zip(labels, token_logprobs, strict=True)}
-    return Prediction(labels[choice], logprobs, num_tokens, truncated)
+    calibrated = None
+    if offsets is not None:
+        calibrated = {label: float(sum(s)) for label, s in zip(labels, scores, strict=True)}
+    return Prediction(labels[choice], logprobs, num_tokens, truncated, None, token_logprobs, calibrated)
+
+
+def redecide(pred: Prediction, labels, label_ids, rule: str, offsets=None) -> Prediction:
+    """The same prediction decided again from its per-token log-probs with `offsets` (error rows pass)."""
+    if pred.error is not None or pred.token_logprobs is None:
+        return pred
+    return make_prediction(labels, label_ids, pred.token_logprobs, rule, pred.num_tokens, pred.truncated, offsets)
 
 
 def decision_margin(rule: str, label_ids: list[tuple[int, ...]], token_logprobs: list[list[float]]) -> float:

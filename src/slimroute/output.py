@@ -65,6 +65,7 @@ class ProgressRecord:
     output_bytes: int = 0  # committed length of the JSONL / CSV output (0 for Parquet)
     errors_bytes: int = 0  # committed length of the --errors file
     summary: dict = field(default_factory=dict)  # JobSummary.state() after the last committed window
+    calibration: dict | None = None  # the calibration offsets in use (Offsets.to_dict()), once known
     version: int = RECORD_VERSION
 
     @classmethod
@@ -128,16 +129,17 @@ class DurableOutput:
     files; `commit` makes one window durable; `finish` completes the job; `close` leaves committed state."""
 
     def __init__(self, out: Path, labels: list[str], record: ProgressRecord, resuming: bool,
-                 errors: Path | None = None):
+                 errors: Path | None = None, raw_columns: bool = False):
         self.out, self.labels, self.record, self.errors = out, list(labels), record, errors
-        self.resuming = resuming
+        self.resuming, self.raw_columns = resuming, raw_columns
         self.format = FORMATS[out.suffix.lower()]
         self.progress, self.parts = progress_path(out), parts_path(out)
         self._out_file = self._errors_file = None
 
     @classmethod
     def prepare(cls, out, labels: list[str], input_fp: dict, settings: dict, *, resume: bool = False,
-                overwrite: bool = False, errors=None) -> DurableOutput:
+                overwrite: bool = False, errors=None, raw_columns: bool = False) -> DurableOutput:
+        """raw_columns: calibration is on; rows carry raw_p_<label> next to p_<label>."""
         out, errors = Path(out), Path(errors) if errors else None
         if out.suffix.lower() not in FORMATS:
             raise OutputError(f"--out {str(out)!r} must end in .jsonl, .csv or .parquet")
@@ -147,7 +149,7 @@ class DurableOutput:
             raise OutputError("give either --resume or --overwrite, not both")
         fresh = ProgressRecord(input_fp, settings)
         if overwrite:
-            return cls(out, labels, fresh, False, errors)
+            return cls(out, labels, fresh, False, errors, raw_columns)
         record = ProgressRecord.read(progress_path(out))
         existing = [p for p in (out, errors) if p is not None and p.exists()]
         if record is None and not resume and existing:
@@ -158,7 +160,7 @@ class DurableOutput:
                               "wrote it finished, or it was not written by slimroute classify); "
                               "pass --overwrite to start over")
         if record is None:
-            return cls(out, labels, fresh, False, errors)
+            return cls(out, labels, fresh, False, errors, raw_columns)
         if not resume:
             raise OutputError(f"an unfinished job for {str(out)!r} has {record.rows_done} rows committed; "
                               "pass --resume to continue it or --overwrite to start over")
@@ -171,7 +173,7 @@ class DurableOutput:
             raise OutputError(f"cannot resume: settings differ from the interrupted run "
                               f"({'; '.join(changes)}); rerun with the original settings, "
                               "or pass --overwrite to start over")
-        job = cls(out, labels, record, True, errors)
+        job = cls(out, labels, record, True, errors, raw_columns)
         job._check_committed()
         return job
 
@@ -229,7 +231,7 @@ class DurableOutput:
 
     def commit(self, rows: list[Row], preds: list[Prediction], summary_state: dict) -> None:
         """Make one window durable: its output, its error rows, then the progress record."""
-        records = [output_record(r, p, self.labels) for r, p in zip(rows, preds, strict=True)]
+        records = [output_record(r, p, self.labels, self.raw_columns) for r, p in zip(rows, preds, strict=True)]
         failed = []
         if self.errors is not None:
             failed = [{"index": row.index, "id": rec["id"], "error": rec["error"]}
@@ -250,7 +252,7 @@ class DurableOutput:
 
     def _encode(self, records: list[dict]) -> bytes:
         first = self.format == "csv" and self.record.output_bytes == 0
-        header = output_columns(self.labels) if first else None
+        header = output_columns(self.labels, self.raw_columns) if first else None
         return encode_records(self.format, records, header).encode("utf-8")
 
     @staticmethod
@@ -264,7 +266,7 @@ class DurableOutput:
         part = self._part_file(k)
         tmp = part.with_name(part.name + ".tmp")
         with open(tmp, "wb") as f:
-            pq.write_table(pa.Table.from_pylist(records, schema=output_schema(self.labels)), f)
+            pq.write_table(pa.Table.from_pylist(records, schema=output_schema(self.labels, self.raw_columns)), f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, part)
@@ -287,7 +289,7 @@ class DurableOutput:
         here leaves the parts and the record, so resuming assembles again."""
         tmp = self.out.with_name(self.out.name + ".tmp")
         with open(tmp, "wb") as f:
-            writer = pq.ParquetWriter(f, output_schema(self.labels))
+            writer = pq.ParquetWriter(f, output_schema(self.labels, self.raw_columns))
             for part in self._part_files():
                 table = pq.read_table(part)
                 if table.num_rows:

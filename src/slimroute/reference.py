@@ -3,7 +3,8 @@
 For every context the decision needs (the prompt, then the prompt plus each proper prefix of
 a multi-token label) it runs the whole model over the whole sequence and takes the full-vocabulary
 log-softmax at the last position. With a tuned head it runs the whole prompt once more for the
-final-norm hidden state at the last position and applies the head to it. Every fast path is tested
+final-norm hidden state at the last position and applies the head to it. Calibration offsets, when
+set, are subtracted from the answers' log-probs before the decision. Every fast path is tested
 against this.
 """
 
@@ -11,21 +12,34 @@ from __future__ import annotations
 
 import torch
 
-from slimroute.labels import Prediction, check_decision, make_prediction
+from slimroute.labels import Prediction, check_decision, make_prediction, redecide
 from slimroute.task import Prompt, Task, encode, render_prompt
 
 
 class ReferenceClassifier:
     def __init__(self, model, tokenizer, task: Task, decision: str = "greedy", max_positions: int = 32768,
-                 head=None):
+                 head=None, calibration=None):
+        """calibration: calibration.Offsets subtracted from the answers' log-probs before the decision."""
         self.model, self.tokenizer, self.task = model, tokenizer, task
         if head is not None:
             head.check(model, tokenizer, task)
         self.head = head
         self.decision = check_decision(decision)
-        # Only label tokenisation and the context-length policy are shared with the fast path.
+        # Only label tokenisation, the context-length policy and the decision are shared with the fast path.
         self.prompt = Prompt(task, tokenizer, max_positions)
         self.label_ids = self.prompt.label_ids
+        self.labels = head.labels if head else task.labels  # the answers
+        self.answer_ids = head.answer_ids if head else self.label_ids
+        self.calibration = calibration.check(self.labels, self.answer_ids) if calibration is not None else None
+        self._offsets = self.calibration.values if self.calibration is not None else None
+
+    def with_calibration(self, offsets) -> ReferenceClassifier:
+        return ReferenceClassifier(self.model, self.tokenizer, self.task, self.decision, self.prompt.max_positions,
+                                   self.head, offsets)
+
+    def redecide(self, texts: list[str], preds: list[Prediction]) -> list[Prediction]:
+        """Predictions made before the offsets were known, decided again with them."""
+        return [redecide(p, self.labels, self.answer_ids, self.decision, self._offsets) for p in preds]
 
     @torch.inference_mode()
     def _next_token_logprobs(self, ids: list[int]) -> torch.Tensor:
@@ -47,10 +61,10 @@ class ReferenceClassifier:
         if self.head is not None:
             label_lps = [self._label_logprobs(prompt_ids)] if self.head.uses_label_logprobs else None
             lps = self.head.token_logprobs(self._last_hidden(prompt_ids), label_lps)[0]
-            return make_prediction(self.head.labels, self.head.answer_ids, lps, self.decision, len(prompt_ids),
-                                   truncated)
-        return make_prediction(self.task.labels, self.label_ids, self._label_logprobs(prompt_ids), self.decision,
-                               len(prompt_ids), truncated)
+        else:
+            lps = self._label_logprobs(prompt_ids)
+        return make_prediction(self.labels, self.answer_ids, lps, self.decision, len(prompt_ids), truncated,
+                               self._offsets)
 
     def _label_logprobs(self, prompt_ids: list[int]) -> list[list[float]]:
         """token_logprobs[label][k] = log p(label's k-th token | prompt + its first k tokens)."""

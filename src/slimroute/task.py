@@ -1,7 +1,8 @@
-"""The task (labels, instructions, few-shot examples) and how it becomes token ids.
+"""The task (labels, their descriptions, instructions, few-shot examples) and how it becomes token ids.
 
 `Task.messages(text)` is the one definition of the conversation; both the reference and the
-fast path render it through the model's own chat template. `Prompt` splits the rendered
+fast path render it through the model's own chat template. Label descriptions only change the
+system prompt; the model still answers the label's name. `Prompt` splits the rendered
 conversation right after the last special token before the item text, so that
 `prefix_ids + item_ids(text)` equals tokenising the whole prompt at once.
 """
@@ -26,13 +27,22 @@ class Example:
 
 @dataclass(frozen=True)
 class Task:
+    """`labels` may mix names and mappings {name, description}; they are split into `labels` (names)
+    and `descriptions` (label -> description, only the described ones, in label order)."""
+
     labels: tuple[str, ...]
     instructions: str = DEFAULT_INSTRUCTIONS
     examples: tuple[Example, ...] = ()
     name: str = "default"
+    descriptions: tuple[tuple[str, str], ...] = ()  # (label, description) pairs; a dict is accepted too
 
     def __post_init__(self):
-        labels = tuple(self.labels)
+        labels, described = parse_labels(self.labels)
+        given = self.descriptions.items() if isinstance(self.descriptions, dict) else self.descriptions
+        for label, description in given:
+            if label in described:
+                raise ValueError(f"labels: label {label!r} is described twice")
+            described[label] = check_description(label, description)
         object.__setattr__(self, "labels", labels)
         object.__setattr__(self, "examples", tuple(self.examples))
         if not labels:
@@ -50,6 +60,11 @@ class Task:
         for ex in self.examples:
             if ex.label not in seen:
                 raise ValueError(f"examples: example label {ex.label!r} is not one of the labels {list(labels)}")
+        unknown = [label for label in described if label not in seen]
+        if unknown:
+            raise ValueError(f"descriptions: {unknown[0]!r} is not one of the labels {list(labels)}")
+        object.__setattr__(self, "descriptions", tuple((label, described[label]) for label in labels
+                                                       if label in described))
 
     @classmethod
     def from_labels(cls, labels: str | list[str], instructions: str | None = None, **kw) -> Task:
@@ -73,7 +88,7 @@ class Task:
             examples.append(Example(str(ex["text"]), str(ex["label"])))
         labels = data["labels"]
         if not isinstance(labels, list):
-            raise ValueError("task.labels: expected a list of strings")
+            raise ValueError("task.labels: expected a list of names or {name, description} mappings")
         return cls(
             tuple(labels),
             data.get("instructions") or DEFAULT_INSTRUCTIONS,
@@ -85,9 +100,19 @@ class Task:
     def from_file(cls, path: str | Path) -> Task:
         return cls.from_dict(load_task_file(path), Path(path).stem)
 
+    def description(self, label: str) -> str | None:
+        return dict(self.descriptions).get(label)
+
     def system_prompt(self) -> str:
+        """Instructions, then (when any label is described) one line per label, then the answer format."""
         choices = ", ".join(self.labels)
-        return f"{self.instructions}\nAnswer with exactly one of: {choices}."
+        lines = [self.instructions]
+        if self.descriptions:
+            described = dict(self.descriptions)
+            lines.append("Categories:")
+            lines += [f"- {label}: {described[label]}" if label in described else f"- {label}" for label in self.labels]
+        lines.append(f"Answer with exactly one of: {choices}.")
+        return "\n".join(lines)
 
     def messages(self, text: str) -> list[dict]:
         msgs = [{"role": "system", "content": self.system_prompt()}]
@@ -96,6 +121,38 @@ class Task:
             msgs.append({"role": "assistant", "content": ex.label})
         msgs.append({"role": "user", "content": text.strip()})
         return msgs
+
+
+def parse_labels(entries) -> tuple[tuple, dict[str, str]]:
+    """Label entries (names, or mappings {name, description}) -> (names, {name: description})."""
+    names, described = [], {}
+    for i, entry in enumerate(entries):
+        if isinstance(entry, dict):
+            unknown = set(entry) - {"name", "description"}
+            if unknown:
+                raise ValueError(f"labels[{i}]: unknown field(s) {sorted(unknown)}; a label mapping has "
+                                 "'name' and optionally 'description'")
+            if "name" not in entry:
+                raise ValueError(f"labels[{i}]: a label mapping needs a 'name', got {entry!r}")
+            name = entry["name"]
+            if entry.get("description") is not None:
+                if name in described:
+                    raise ValueError(f"labels: label {name!r} is described twice")
+                described[name] = check_description(name, entry["description"])
+            names.append(name)
+        else:
+            names.append(entry)
+    return tuple(names), described
+
+
+def check_description(label, description) -> str:
+    if not isinstance(description, str):
+        raise ValueError(f"labels: the description of {label!r} must be a string, "
+                         f"got {type(description).__name__} {description!r}")
+    description = " ".join(description.split())  # one line in the system prompt
+    if not description:
+        raise ValueError(f"labels: the description of {label!r} is empty; leave it out or write one")
+    return description
 
 
 def load_task_file(path: str | Path) -> dict:

@@ -63,11 +63,13 @@ def serve(
     task_set: TaskSet, model: str, dtype: str = "auto", threads: int | None = None, device: str = "cpu",
     config: EngineConfig | None = None, settings: ServerSettings | None = None,
     host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", access_log: bool = False, head=None,
+    calibration=None,
 ) -> int:
     """Load the model in the background (GET /ready turns 200 when done), serve until SIGTERM/SIGINT,
     finish what was accepted, and return the exit code (1 if the model failed to load, 2 if it is not the
     model, tokenizer or prompt the head was tuned with). head: a tuned Head deciding every task.
-    A dtype this CPU cannot run raises cpu.UnsupportedDtypeError before anything starts."""
+    calibration: a calibration.CalibrationSettings; each task's offsets are estimated or fitted once, while
+    loading. A dtype this CPU cannot run raises cpu.UnsupportedDtypeError before anything starts."""
     import uvicorn
 
     from slimroute.cpu import choose_dtype
@@ -80,6 +82,8 @@ def serve(
 
         loaded = load_model(model, choice.name, threads, device)
         engines = {name: Engine.from_loaded(loaded, task, config, head) for name, task in task_set.tasks.items()}
+        if calibration is not None and calibration.on:
+            engines = {name: e.with_calibration(calibration.offsets(e, e.labels)) for name, e in engines.items()}
         log.warning("model %s loaded (%s, %d threads); serving tasks %s", model, choice, loaded.threads,
                     ", ".join(engines))
         return engines

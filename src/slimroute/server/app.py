@@ -108,6 +108,7 @@ class ItemResult(BaseModel):
     label: str
     probs: dict[str, float]  # renormalised over the labels
     logprobs: dict[str, float]  # exact log-probability of each label's tokens
+    calibrated_logprobs: dict[str, float] | None = None  # with calibration: logprobs minus offsets (probs use them)
     num_tokens: int
     truncated: bool
 
@@ -219,7 +220,10 @@ class Service:
 
     def info(self) -> dict:
         tasks = [{"name": name, "labels": list(getattr(e, "labels", e.task.labels)),  # a head's labels, if any
-                  "instructions": e.task.instructions, "num_examples": len(e.task.examples),
+                  "instructions": e.task.instructions, "descriptions": dict(e.task.descriptions),
+                  "num_examples": len(e.task.examples),
+                  "prefix_tokens": len(e.prompt.prefix_ids) if hasattr(e, "prompt") else None,
+                  "calibration": e.calibration.to_dict() if getattr(e, "calibration", None) else None,
                   "default": name == self.default_task}
                  for name, e in self.engines.items()]
         s = self.settings
@@ -376,7 +380,8 @@ def create_app(
         if result is None:
             return Response(status_code=499)  # nobody reads this; it ends the request cleanly
         results = [ItemResult(id=i, label=p.label, probs=p.probs, logprobs=p.logprobs,
-                              num_tokens=p.num_tokens, truncated=p.truncated)
+                              calibrated_logprobs=p.calibrated_logprobs, num_tokens=p.num_tokens,
+                              truncated=p.truncated)
                    for i, p in zip(ids, result.predictions, strict=True)]
         timing = Timing(queue_ms=1000 * result.queue_seconds, engine_ms=1000 * result.engine_seconds,
                         total_ms=1000 * (time.perf_counter() - start), batch_items=result.batch_items,

@@ -3,7 +3,7 @@
 Two shapes are accepted (YAML or JSON, chosen by the file extension as in `slimroute classify`):
 
     # one task, named after the file (tickets.yaml -> "tickets")
-    labels: [billing, technical, account]
+    labels: [billing, technical, account]   # or {name, description} mappings
     instructions: Classify the support ticket into one category.
     examples:
       - {text: "I was charged twice", label: billing}
@@ -77,3 +77,27 @@ def task_set_from_dict(data: dict, file_stem: str = "default") -> TaskSet:
 
 def load_task_set(path: str | Path) -> TaskSet:
     return task_set_from_dict(load_task_file(path), Path(path).stem)
+
+
+def with_accuracy_options(task_set: TaskSet, examples=None, shots: int | None = None, text_column: str = "text",
+                          label_column: str = "label", calibration=None) -> TaskSet:
+    """The task set with `serve --examples` applied, after checking `serve --calibrate` can run: the
+    examples and calibration data need a single task, batch calibration needs data (offsets are estimated
+    at startup, never from requests, so an answer does not depend on which requests came first), and the
+    calibration data is read and checked here, before the model loads."""
+    from slimroute.examples import with_examples_from
+
+    has_data = calibration is not None and calibration.data is not None
+    if (examples is not None or has_data) and len(task_set.tasks) > 1:
+        raise ValueError(f"--examples and --calibration-data need a single task; the task file has "
+                         f"{len(task_set.tasks)}")
+    if calibration is not None and calibration.mode == "batch" and not has_data:
+        raise ValueError("on a server, --calibrate batch needs --calibration-data: texts whose mean label "
+                         "log-probs are estimated at startup (never from requests, so an answer does not "
+                         "depend on who came first)")
+    tasks = {name: with_examples_from(task, examples, shots, text_column, label_column)
+             for name, task in task_set.tasks.items()}
+    if calibration is not None:
+        for task in tasks.values():
+            calibration.check_data(task.labels)
+    return TaskSet(tasks, task_set.default)

@@ -1,0 +1,105 @@
+"""What the commands print: the run summary, classification metrics and the confusion matrix (rich tables)."""
+
+from __future__ import annotations
+
+import time
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from slimroute.metrics import Metrics
+
+
+def pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def metrics_rows(table: Table, metrics: Metrics) -> None:
+    table.add_row("accuracy", f"{pct(metrics.accuracy)} of {metrics.num_items}")
+    table.add_row("macro-F1", "-" if metrics.macro_f1 is None else f"{metrics.macro_f1:.3f}")
+
+
+def print_metrics(console: Console, metrics: Metrics, per_label: bool = True) -> None:
+    """The per-label scores (when asked) and the confusion matrix."""
+    if per_label:
+        scores = Table(title="per label")
+        for column in ("label", "precision", "recall", "F1", "support"):
+            scores.add_column(column, justify="left" if column == "label" else "right")
+        for label, s in metrics.per_label.items():
+            scores.add_row(label, f"{s.precision:.3f}", f"{s.recall:.3f}", f"{s.f1:.3f}", str(s.support))
+        console.print(scores)
+    matrix = Table(title="confusion (rows: gold, columns: predicted)")
+    matrix.add_column("gold")
+    for label in metrics.labels:
+        matrix.add_column(label, justify="right")
+    for label, row in zip(metrics.labels, metrics.confusion, strict=True):
+        matrix.add_row(label, *map(str, row))
+    console.print(matrix)
+
+
+def progress_bar(console: Console) -> Progress:
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("{task.fields[rate]} items/s"), TimeRemainingColumn(), console=console,
+    )
+
+
+def run_with_progress(console: Console, classifier, rows, label="classify"):
+    """(predictions, seconds) of jobs.classify_rows behind a progress bar."""
+    from slimroute.jobs import classify_rows
+
+    start = time.perf_counter()
+    with progress_bar(console) as bar:
+        task_id = bar.add_task(label, total=len(rows), rate="-")
+
+        def advance(n):
+            done = bar.tasks[0].completed + n
+            bar.update(task_id, advance=n, rate=f"{done / (time.perf_counter() - start):.1f}")
+
+        preds = classify_rows(classifier, rows, advance)
+    return preds, time.perf_counter() - start
+
+
+def print_summary(console: Console, summary, classifier=None, calibration: dict | None = None) -> dict:
+    """classify's summary: counts, speed, the prompt prefix, calibration, and metrics when gold labels
+    exist. Returns it as a record (for --summary-json)."""
+    from slimroute.calibration import Offsets
+
+    prompt = getattr(classifier, "prompt", None)  # a remote classifier has none
+    prefix_tokens = len(prompt.prefix_ids) if prompt is not None else None
+    offsets = Offsets.from_dict(calibration) if calibration else None
+    table = Table(title="summary", show_header=False)
+    table.add_row("items", str(summary.num_items))
+    if summary.num_resumed:
+        table.add_row("resumed after", f"{summary.num_resumed} (done by the interrupted run)")
+    table.add_row("seconds", f"{summary.seconds:.2f}")
+    table.add_row("items/s", f"{summary.items_per_s:.2f}")
+    table.add_row("row errors", str(summary.num_errors))
+    table.add_row("truncated", str(summary.num_truncated))
+    if summary.padding_overhead is not None:
+        table.add_row("padding overhead", pct(summary.padding_overhead))
+    if prefix_tokens is not None:
+        table.add_row("prompt prefix", f"{prefix_tokens} tokens (computed once, cached)")
+    if offsets is not None:
+        values = ", ".join(f"{label} {value:+.3f}" for label, value in offsets.totals().items())
+        table.add_row("calibration", f"{offsets.mode} from {offsets.num_inputs} texts ({offsets.source}); "
+                                     f"offsets {values}")
+    metrics = summary.metrics()
+    if metrics.num_items:
+        metrics_rows(table, metrics)
+    console.print(table)
+    if metrics.num_items:
+        print_metrics(console, metrics, per_label=False)
+    return {**summary.to_dict(), "prefix_tokens": prefix_tokens, "calibration": calibration}
+
+
+def print_evaluation(console: Console, evaluation) -> None:
+    table = Table(title="eval", show_header=False)
+    metrics_rows(table, evaluation.metrics)
+    table.add_row("prediction rows", str(evaluation.num_predictions))
+    table.add_row("errors (not scored)", str(evaluation.num_errors))
+    table.add_row("gold rows without a prediction", str(evaluation.num_missing))
+    table.add_row("predictions without a gold label", str(evaluation.num_without_gold))
+    console.print(table)
+    print_metrics(console, evaluation.metrics)
