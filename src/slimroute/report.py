@@ -71,6 +71,8 @@ def print_summary(console: Console, summary, classifier=None, calibration: dict 
     offsets = Offsets.from_dict(calibration) if calibration else None
     table = Table(title="summary", show_header=False)
     table.add_row("items", str(summary.num_items))
+    if summary.dtype:
+        table.add_row("dtype", summary.dtype)
     if summary.num_resumed:
         table.add_row("resumed after", f"{summary.num_resumed} (done by the interrupted run)")
     table.add_row("seconds", f"{summary.seconds:.2f}")
