@@ -72,6 +72,23 @@ def test_head_decision_is_the_argmax_of_its_log_probs(tiny_qwen):
             assert abs(sum(p.probs.values()) - 1) < 1e-9
 
 
+def test_a_head_is_never_calibrated(tiny_qwen):
+    """Calibration offsets are for label tokens; with a head both paths refuse them (ValueError)."""
+    from slimroute.calibration import Offsets
+
+    model, tok = tiny_qwen
+    task = Task(LABEL_SETS["single"])
+    head = random_head(model, tok, task, seed=4)
+    offsets = Offsets("batch", HEAD_LABELS, tuple((0.1,) for _ in HEAD_LABELS), 5)
+    for make in (lambda: Engine(model, tok, task, head=head, calibration=offsets),
+                 lambda: ReferenceClassifier(model, tok, task, head=head, calibration=offsets),
+                 lambda: Engine(model, tok, task, head=head).with_calibration(offsets),
+                 lambda: ReferenceClassifier(model, tok, task, head=head).with_calibration(offsets)):
+        with pytest.raises(ValueError, match="--calibrate batch does not apply to a tuned head"):
+            make()
+    assert Engine(model, tok, task, head=head).with_calibration(None).calibration is None
+
+
 def test_features_are_the_reference_hidden_state(tiny):
     model, tok = tiny
     task = Task(LABEL_SETS["shared"])

@@ -151,6 +151,26 @@ def test_a_head_for_another_model_or_prompt_exits_2_and_writes_nothing(tmp_path,
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
+def test_calibrate_with_a_head_exits_2_and_writes_nothing(tmp_path, head_dir, labelled, run):
+    before = sorted(p.name for p in tmp_path.iterdir())
+    out = tmp_path / "preds.jsonl"
+    for command, extra in (("classify", ["--out", out]), ("verify", ["--json", tmp_path / "v.json"]),
+                           ("serve", ["--port", "9"])):
+        for mode, data in (("content-free", []), ("batch", []), ("fitted", ["--calibration-data", labelled])):
+            result = run(command, *([labelled] if command != "serve" else []), "--head", head_dir, *extra,
+                         "--calibrate", mode, *data, "--label-column", "intent")
+            assert result.exit_code == 2, result.output
+            assert f"error: --calibrate {mode} does not apply to a tuned head" in result.text
+            assert len(result.output.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    with pytest.raises(ValueError, match="does not apply to a tuned head"):  # the Python API, before anything starts
+        from slimroute.calibration import CalibrationSettings
+
+        head = Head.load(head_dir)
+        serve(TaskSet({"default": head.task}, "default"), "unused", head=head, calibration=CalibrationSettings(
+            "content-free"))
+
+
 @pytest.mark.parametrize("rows, args, message", [
     ("few", ["--text-column", "body"], "text column 'body' is not in"),
     ("few", ["--label-column", "label"], "label column 'label' is not in"),

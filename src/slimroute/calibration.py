@@ -14,6 +14,7 @@ Modes (`MODES`):
   p(label) = softmax(total - offset) (a few Newton steps; `fit_offsets`).
 Both the reference and the engine apply the same `Offsets` through labels.make_prediction, so the
 fast path still equals the reference; the model's own log-probs are kept next to the calibrated ones.
+Calibration is for the label tokens' log-probs only: a tuned head (head.py) is refused (`check_head`).
 """
 
 from __future__ import annotations
@@ -29,12 +30,23 @@ from slimroute.labels import Prediction
 
 MODES = ("none", "content-free", "batch", "fitted")
 CONTENT_FREE_TEXTS = ("", "N/A", "[MASK]")  # "" is scored directly: only the row reader refuses empty texts
+WITH_HEAD = ("--calibrate {mode} does not apply to a tuned head, whose per-label biases are already fitted on "
+             "labelled rows; use --calibrate none with --head")
 
 
 def check_mode(mode: str) -> str:
     if mode not in MODES:
         raise ValueError(f"calibrate must be one of {', '.join(MODES)}, got {mode!r}")
     return mode
+
+
+def check_head(head, calibration) -> None:
+    """Raise ValueError for calibration (offsets or a mode other than none) together with a tuned head: its
+    answers are a softmax fitted on labelled rows, not label tokens (content-free texts lie outside what
+    it saw, a batch mean would undo the label frequencies it learnt, and its bias is already a fitted offset)."""
+    mode = getattr(calibration, "mode", "none") if calibration is not None else "none"
+    if head is not None and mode != "none":
+        raise ValueError(WITH_HEAD.format(mode=mode))
 
 
 @dataclass(frozen=True)
@@ -205,8 +217,10 @@ class CalibrationSettings:
         pairs = read_labelled(self.data, self.text_column, label_column, "calibration data")
         return [t for t, _ in pairs], ([g for _, g in pairs] if label_column else None)
 
-    def check_data(self, labels) -> None:
-        """Read the calibration data and raise ValueError if it cannot calibrate these labels."""
+    def check_data(self, labels, head=None) -> None:
+        """Raise ValueError if this cannot calibrate these labels: a tuned head (check_head), or calibration
+        data that does not fit them (it is read here)."""
+        check_head(head, self)
         texts, golds = self.read_data()
         if golds is not None:
             check_golds(golds, labels)

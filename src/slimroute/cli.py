@@ -43,7 +43,8 @@ EXAMPLES = typer.Option(None, "--examples", help="Labelled file (CSV/JSONL/Parqu
                                                  "cached prefix: --shots per label, the first of each in file order.")
 SHOTS = typer.Option(None, "--shots", help="Examples per label from --examples (default 2).")
 CALIBRATE = typer.Option("none", "--calibrate", help="none, content-free, batch or fitted: offsets subtracted from "
-                                                     "the label log-probs before the decision (README).")
+                                                     "the label log-probs before the decision (README; not with "
+                                                     "--head).")
 CALIBRATION_DATA = typer.Option(None, "--calibration-data", help="fitted: labelled rows to fit the offsets on; "
                                                                  "batch: texts to estimate them from.")
 BATCH = typer.Option(32, "--batch-size", "-b")
@@ -225,7 +226,7 @@ def classify(
             the_task, the_head, answers = task_and_head(labels, instructions, task, head, examples, shots,
                                                         text_column, label_column)
         calibration = calibration_settings(calibrate, calibration_data, text_column, label_column)
-        calibration.check_data(answers)  # before the model loads
+        calibration.check_data(answers, the_head)  # before the model loads
         config = engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort, decision, max_padding,
                                recheck_margin, dtype)
         job = JobConfig(window, limit, resume, overwrite, errors)
@@ -368,7 +369,7 @@ def verify(
         the_task, the_head, answers = task_and_head(labels, instructions, task, head, examples, shots, text_column,
                                                     label_column)
         calibration = calibration_settings(calibrate, calibration_data, text_column, label_column)
-        calibration.check_data(answers)
+        calibration.check_data(answers, the_head)
         config = engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort, decision, max_padding,
                                recheck_margin, dtype)
         rows = read_input(input, text_column, id_column, label_column, limit)
@@ -630,7 +631,8 @@ def serve(
             max_text_chars=max_text_chars, max_text_tokens=max_text_tokens, max_body_bytes=max_body_bytes,
             api_keys=api_key, api_key_file=api_key_file, metrics_need_key=metrics_need_key)
         calibration = calibration_settings(calibrate, calibration_data, text_column, label_column)
-        task_set = with_accuracy_options(task_set, examples, shots, text_column, label_column or "label", calibration)
+        task_set = with_accuracy_options(task_set, examples, shots, text_column, label_column or "label", calibration,
+                                         the_head)
         config = engine_config(batch_size, max_batch_tokens, False, False, decision, max_padding, recheck_margin,
                                dtype)
         choice = resolve_dtype(dtype, device)

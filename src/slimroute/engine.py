@@ -6,7 +6,8 @@ the label tokens' head rows, and each multi-token label's continuation is scored
 batched step over a non-mutating copy of the batch's cache. With a tuned head (head.py) that same
 hidden state (and, if the head uses them, the label log-probs) goes through the head instead, whose
 labels are the answers; `features` hands the head's inputs out for tuning. Calibration offsets, when
-set, are subtracted from the answers' log-probs before the decision, exactly as in the reference.
+set, are subtracted from the label log-probs before the decision, exactly as in the reference (a head is
+never calibrated: calibration.check_head).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from transformers import DynamicCache
 
 from slimroute.batching import PaddingStats, pad_right, plan_batches
+from slimroute.calibration import check_head
 from slimroute.config import EngineConfig
 from slimroute.head import head_features, label_totals
 from slimroute.kernels import return_freed_memory
@@ -52,7 +54,8 @@ class Engine:
         """recheck: a callable text -> Prediction (the reference's classify_one) used for near-ties
         when config.recheck_margin is set. head: a tuned Head (head.py) that decides instead of the label
         tokens; it must have been tuned on this model, tokenizer and task (else HeadMismatchError).
-        calibration: calibration.Offsets subtracted from the answers' log-probs before the decision."""
+        calibration: calibration.Offsets subtracted from the label log-probs before the decision (not with a
+        head: ValueError)."""
         self.model, self.tokenizer, self.task = model, tokenizer, task
         self.config = config or EngineConfig()
         self.max_positions = max_positions or int(getattr(model.config, "max_position_embeddings", 32768))
@@ -69,6 +72,7 @@ class Engine:
         self.scorer = LabelScorer(model.get_output_embeddings(), tokens)
         self.prefix = PrefixCache(model, self.prompt.prefix_ids) if self.config.prefix_cache else None
         self.stats = EngineStats()  # totals over the engine's life
+        check_head(self.head, calibration)
         self.calibration = calibration.check(self.labels, self.answer_ids) if calibration is not None else None
         self._offsets = self.calibration.values if self.calibration is not None else None
         self._own_recheck = self.config.recheck_margin is not None and recheck is None
@@ -88,6 +92,7 @@ class Engine:
 
     def with_calibration(self, offsets) -> Engine:
         """This engine (model, prefix cache, running stats shared) deciding with `offsets`."""
+        check_head(self.head, offsets)
         engine = copy.copy(self)
         engine.calibration = offsets.check(self.labels, self.answer_ids) if offsets is not None else None
         engine._offsets = engine.calibration.values if engine.calibration is not None else None

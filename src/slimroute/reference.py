@@ -4,7 +4,7 @@ For every context the decision needs (the prompt, then the prompt plus each prop
 a multi-token label) it runs the whole model over the whole sequence and takes the full-vocabulary
 log-softmax at the last position. With a tuned head it runs the whole prompt once more for the
 final-norm hidden state at the last position and applies the head to it. Calibration offsets, when
-set, are subtracted from the answers' log-probs before the decision. Every fast path is tested
+set, are subtracted from the label log-probs before the decision (never with a head). Every fast path is tested
 against this.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from slimroute.calibration import check_head
 from slimroute.labels import Prediction, check_decision, make_prediction, redecide
 from slimroute.task import Prompt, Task, encode, render_prompt
 
@@ -19,7 +20,8 @@ from slimroute.task import Prompt, Task, encode, render_prompt
 class ReferenceClassifier:
     def __init__(self, model, tokenizer, task: Task, decision: str = "greedy", max_positions: int = 32768,
                  head=None, calibration=None):
-        """calibration: calibration.Offsets subtracted from the answers' log-probs before the decision."""
+        """calibration: calibration.Offsets subtracted from the label log-probs before the decision (not with a
+        head: ValueError)."""
         self.model, self.tokenizer, self.task = model, tokenizer, task
         if head is not None:
             head.check(model, tokenizer, task)
@@ -30,6 +32,7 @@ class ReferenceClassifier:
         self.label_ids = self.prompt.label_ids
         self.labels = head.labels if head else task.labels  # the answers
         self.answer_ids = head.answer_ids if head else self.label_ids
+        check_head(head, calibration)
         self.calibration = calibration.check(self.labels, self.answer_ids) if calibration is not None else None
         self._offsets = self.calibration.values if self.calibration is not None else None
 

@@ -69,11 +69,14 @@ def serve(
     finish what was accepted, and return the exit code (1 if the model failed to load, 2 if it is not the
     model, tokenizer or prompt the head was tuned with). head: a tuned Head deciding every task.
     calibration: a calibration.CalibrationSettings; each task's offsets are estimated or fitted once, while
-    loading. A dtype this CPU cannot run raises cpu.UnsupportedDtypeError before anything starts."""
+    loading (not with a head: ValueError). A dtype this CPU cannot run raises cpu.UnsupportedDtypeError before
+    anything starts."""
     import uvicorn
 
+    from slimroute.calibration import check_head
     from slimroute.cpu import choose_dtype
 
+    check_head(head, calibration)
     choice = choose_dtype(dtype, device=device)
 
     def build_engines() -> dict:

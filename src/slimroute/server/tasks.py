@@ -80,13 +80,16 @@ def load_task_set(path: str | Path) -> TaskSet:
 
 
 def with_accuracy_options(task_set: TaskSet, examples=None, shots: int | None = None, text_column: str = "text",
-                          label_column: str = "label", calibration=None) -> TaskSet:
+                          label_column: str = "label", calibration=None, head=None) -> TaskSet:
     """The task set with `serve --examples` applied, after checking `serve --calibrate` can run: the
     examples and calibration data need a single task, batch calibration needs data (offsets are estimated
     at startup, never from requests, so an answer does not depend on which requests came first), and the
-    calibration data is read and checked here, before the model loads."""
+    calibration data is read and checked here, before the model loads (calibration with a tuned `head`:
+    refused, see calibration.check_head)."""
+    from slimroute.calibration import check_head
     from slimroute.examples import with_examples_from
 
+    check_head(head, calibration)
     has_data = calibration is not None and calibration.data is not None
     if (examples is not None or has_data) and len(task_set.tasks) > 1:
         raise ValueError(f"--examples and --calibration-data need a single task; the task file has "
