@@ -25,6 +25,7 @@ def test_every_row_agrees_with_the_reference(model_dir):
     record = run_accuracy_bench(n=9, model=model_dir, threads=1, shots=1, calibration_rows=6, check=3,
                                 log=lambda line: None)
     names = [r["name"] for r in record["rows"]]
+    assert record["dtype"] == "float32"  # what the dtype resolved to
     assert len(names) == 16 and names[:4] == ["zero-shot", "zero-shot + content-free calibration",
                                               "zero-shot + batch calibration", "zero-shot + fitted calibration"]
     for row in record["rows"]:

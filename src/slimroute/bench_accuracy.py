@@ -128,7 +128,7 @@ def run_accuracy_bench(n=600, model="qwen2.5-coder-0.5b", dtype="float32", threa
                           prefix, setup_s))
     from slimroute.bench import machine_info
 
-    return {"machine": machine_info(threads), "n": n, "model": model, "dtype": dtype, "check": check,
+    return {"machine": machine_info(threads), "n": n, "model": model, "dtype": loaded.precision, "check": check,
             "shots": shots, "calibration_rows": len(labelled), "descriptions": DESCRIPTIONS,
             "rows": [asdict(r) for r in rows]}
 
