@@ -22,7 +22,7 @@ def test_labelled_tickets_are_balanced_and_not_evaluated():
 
 
 def test_every_row_agrees_with_the_reference(model_dir):
-    record = run_accuracy_bench(n=9, model=model_dir, threads=1, shots=1, calibration_rows=6, check=3,
+    record = run_accuracy_bench(n=9, model=model_dir, dtype="float32", threads=1, shots=1, calibration_rows=6, check=3,
                                 log=lambda line: None)
     names = [r["name"] for r in record["rows"]]
     assert record["dtype"] == "float32"  # what the dtype resolved to

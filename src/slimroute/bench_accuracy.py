@@ -73,7 +73,7 @@ def score_row(name, preds, refs, golds, labels, seconds, prefix_tokens, setup_s=
                        cmp.max_abs_logprob_diff, setup_s)
 
 
-def run_accuracy_bench(n=600, model="qwen2.5-coder-0.5b", dtype="float32", threads=None, batch_size=32,
+def run_accuracy_bench(n=600, model="qwen2.5-coder-0.5b", dtype="auto", threads=None, batch_size=32,
                        max_batch_tokens=512, shots=2, calibration_rows=90, check=50, log=print) -> dict:
     tickets = synthetic_tickets(600, 0)[:n]
     texts, golds = [t["text"] for t in tickets], [t["label"] for t in tickets]

@@ -508,7 +508,7 @@ def bench(
 
     command = "slimroute " + " ".join(sys.argv[1:])
     if accuracy:
-        return bench_accuracy(min(n, 100) if quick else n, model, (dtype or ["float32"])[0], threads, batch_size,
+        return bench_accuracy(min(n, 100) if quick else n, model, (dtype or ["auto"])[0], threads, batch_size,
                               max_batch_tokens, out, command)
     try:
         record = run_bench(n, batch_size, tuple(dtype or ()), model, threads, max_batch_tokens, quick, recheck_margin,
