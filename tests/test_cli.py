@@ -108,20 +108,25 @@ def test_existing_output_needs_overwrite(tmp_path, src, invoke):
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["a", "b"]
 
 
-def test_a_failed_write_keeps_the_committed_windows_and_says_how_to_resume(tmp_path, src, invoke, monkeypatch):
+def disk_full_on_commit(patch, nth: int) -> None:
+    """Make the nth DurableOutput.commit of the run fail as a full disk would."""
     from slimroute.output import DurableOutput
 
     commit, calls = DurableOutput.commit, []
 
-    def disk_full_on_the_third(self, *args):
+    def failing(self, *args):
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) == nth:
             raise OSError(28, "No space left on device")
         commit(self, *args)
 
+    patch.setattr(DurableOutput, "commit", failing)
+
+
+def test_a_failed_write_keeps_the_committed_windows_and_says_how_to_resume(tmp_path, src, invoke, monkeypatch):
     out = tmp_path / "out.jsonl"
     with monkeypatch.context() as patch:
-        patch.setattr(DurableOutput, "commit", disk_full_on_the_third)
+        disk_full_on_commit(patch, 3)
         result = invoke(src, "--labels", LABELS, "--out", out, "--window", "2")
     assert result.exit_code == 1
     assert "No space left on device" in result.text and "4 rows (2 whole windows) are committed" in result.text
@@ -193,25 +198,15 @@ def test_bad_calibration_settings_exit_2_and_write_nothing(tmp_path, src, invoke
 
 
 def test_batch_offsets_come_from_the_first_window_and_survive_resume(tmp_path, src, invoke, monkeypatch):
-    from slimroute.output import DurableOutput
-
     whole, summary_json = tmp_path / "whole.jsonl", tmp_path / "summary.json"
     args = ["--labels", LABELS, "--calibrate", "batch", "--window", "2"]
     assert invoke(src, *args, "--out", whole, "--summary-json", summary_json).exit_code == 0
     first = json.loads(summary_json.read_text())["calibration"]
     assert first["num_inputs"] == 2 and "rows 0-1" in first["source"]  # the first window only
 
-    commit, calls = DurableOutput.commit, []
-
-    def fail_on_the_second(self, *a):
-        calls.append(1)
-        if len(calls) == 2:
-            raise OSError(28, "No space left on device")
-        commit(self, *a)
-
     out = tmp_path / "out.jsonl"
     with monkeypatch.context() as patch:
-        patch.setattr(DurableOutput, "commit", fail_on_the_second)
+        disk_full_on_commit(patch, 2)
         assert invoke(src, *args, "--out", out).exit_code == 1
     record = json.loads((tmp_path / "out.jsonl.progress.json").read_text())
     assert record["rows_done"] == 2 and record["calibration"] == first
