@@ -96,6 +96,24 @@ def test_invariant_attention_matches_eager_attention():
     assert torch.allclose(got, expected, atol=1e-5)
 
 
+def test_invariant_attention_bits_do_not_depend_on_the_query_chunks(monkeypatch):
+    """Long inputs run QUERY_TILES query tiles per pass: the same bits as one pass over every query."""
+    import slimroute.attention as attention
+
+    torch.manual_seed(0)
+    batch, heads, kv_heads, queries, keys, dim = 2, 4, 2, 200, 230, 16
+    q, k, v = torch.randn(batch, heads, queries, dim), torch.randn(batch, kv_heads, keys, dim), torch.randn(
+        batch, kv_heads, keys, dim)
+    positions = torch.arange(keys - queries, keys)
+    allowed = (torch.arange(keys)[None, :] <= positions[:, None]).expand(batch, 1, queries, keys).clone()
+    allowed[1, :, :, 180:] = False
+    assert queries > attention.TILE * attention.QUERY_TILES  # several chunks at the default
+    chunked, _ = invariant_attention(None, q, k, v, allowed, scaling=dim ** -0.5)
+    monkeypatch.setattr(attention, "QUERY_TILES", 1000)
+    whole, _ = invariant_attention(None, q, k, v, allowed, scaling=dim ** -0.5)
+    assert torch.equal(chunked, whole)
+
+
 @pytest.mark.parametrize("labels", [SINGLE, MULTI], ids=["single-token", "multi-token"])
 @pytest.mark.parametrize("prefix_cache", [True, False], ids=["prefix", "no-prefix"])
 def test_int8_fast_path_gives_the_int8_references_bits(tiny_int8, labels, prefix_cache):
