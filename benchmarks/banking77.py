@@ -63,13 +63,13 @@ def first_per_label(labels: list[str], n: int) -> list[int]:
     return [i for k in sorted(rounds) for i in rounds[k]]
 
 
-def cached_features(engine: Engine, texts: list[str], folder: Path, log,
+def cached_features(engine: Engine, texts: list[str], folder: Path, log, with_mean: bool,
                     chunk: int = 256) -> tuple[torch.Tensor, float | None]:
     """(N, H) features and the extraction rate in items/s (None when every row came from the cache).
 
     The cache (one file per model identity and task) maps text -> features and is saved after every chunk,
     so an interrupted run, or a later one with more rows per intent, only extracts what is missing."""
-    key = json.dumps(identity(engine.model, engine.tokenizer, engine.task))
+    key = json.dumps(identity(engine.model, engine.tokenizer, engine.task)) + ("+mean" if with_mean else "")
     path = folder / f"features-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
     cache: dict[str, torch.Tensor] = torch.load(path) if path.is_file() else {}
     missing = list(dict.fromkeys(t for t in texts if t not in cache))
@@ -77,7 +77,7 @@ def cached_features(engine: Engine, texts: list[str], folder: Path, log,
     start, rate = time.perf_counter(), None
     for i in range(0, len(missing), chunk):
         part = missing[i: i + chunk]
-        cache.update(zip(part, engine.features(part), strict=True))
+        cache.update(zip(part, engine.features(part, with_mean=with_mean), strict=True))
         folder.mkdir(parents=True, exist_ok=True)
         torch.save(cache, path)
         rate = (i + len(part)) / (time.perf_counter() - start)
@@ -108,6 +108,9 @@ def main() -> None:
     parser.add_argument("--per-intent", type=int, nargs="+", default=[8, 0],
                         help="one row per size: train rows per intent, at most (0: all 9,002 train rows)")
     parser.add_argument("--folds", type=int, default=5)
+    parser.add_argument("--states", choices=["last", "last+mean"], default="last+mean",
+                        help="hidden states as features, as `slimroute tune --states`")
+    parser.add_argument("--classifier", choices=["auto", "logistic", "lda"], default="auto")
     parser.add_argument("--speed-rows", type=int, default=64, help="valid rows timed with and without the head")
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "banking77")
     args = parser.parse_args()
@@ -128,8 +131,9 @@ def main() -> None:
             "task": {"labels": labels, "instructions": INSTRUCTIONS}}
     log(f"{args.model} {args.dtype}, {loaded.threads} threads; prefix {len(engine.prompt.prefix_ids)} tokens; "
         f"{len(train)} train rows, {len(valid)} valid rows")
-    train_x, train_rate = cached_features(engine, [t for t, _ in train], args.out, log)
-    valid_x, valid_rate = cached_features(engine, [t for t, _ in valid], args.out, log)
+    with_mean = args.states == "last+mean"
+    train_x, train_rate = cached_features(engine, [t for t, _ in train], args.out, log, with_mean)
+    valid_x, valid_rate = cached_features(engine, [t for t, _ in valid], args.out, log, with_mean)
     valid_gold = [label for _, label in valid]
 
     rows, heads = [], {}
@@ -141,19 +145,20 @@ def main() -> None:
     for name, keep in settings:
         x, y = train_x[keep].numpy(), train_y[keep]
         start = time.perf_counter()
-        tensors, cv = fit_head(x, y, TuneConfig(folds=min(args.folds, min(np.bincount(y)))))
+        config = TuneConfig(folds=min(args.folds, min(np.bincount(y))), with_mean=with_mean, classifier=args.classifier)
+        tensors, cv = fit_head(x, y, config)
         fit_s = time.perf_counter() - start
-        head = Head(tuple(labels), **tensors, meta=meta)
+        head = Head(tuple(labels), **tensors, features=config.features, meta=meta)
         heads[name] = head
         result = evaluate(head, valid_x, valid_gold)
         rows.append({"train": name, "train_rows": len(y), "cv_accuracy": cv.accuracy, "cv_macro_f1": cv.macro_f1,
-                     "c": cv.c, "fit_s": round(fit_s, 1), "valid_accuracy": result["accuracy"],
+                     "classifier": cv.chosen, "cv_scores": cv.scores, "fit_s": round(fit_s, 1), "valid_accuracy": result["accuracy"],
                      "valid_macro_f1": result["macro_f1"]})
         log(f"{name}: valid accuracy {100 * result['accuracy']:.1f}%, macro-F1 {100 * result['macro_f1']:.1f}%")
 
     speed = measure_speed(loaded, task, heads[settings[-1][0]], engine, valid[: args.speed_rows], valid_x)
     record = {"command": command, "machine": machine_info(loaded.threads), "model": args.model,
-              "dtype": args.dtype, "instructions": INSTRUCTIONS, "valid_rows": len(valid), "rows": rows,
+              "dtype": args.dtype, "instructions": INSTRUCTIONS, "features": config.features, "valid_rows": len(valid), "rows": rows,
               "speed": speed, "feature_extraction_items_per_s": {"train": train_rate, "valid": valid_rate}}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "banking77.json").write_text(json.dumps(record, indent=2) + "\n")
@@ -179,10 +184,11 @@ def markdown(record: dict) -> str:
     m, s = record["machine"], record["speed"]
     lines = [f"`{record['command']}` — {record['model']} {record['dtype']}, {m['cpu']}, {m['threads']} threads, "
              f"git {m['git_sha']}, {m['date']}; evaluated on the {record['valid_rows']} held-out `split=valid` rows",
-             "", "| head tuned on | train rows | CV accuracy | valid accuracy | valid macro-F1 |",
-             "|---|---:|---:|---:|---:|"]
+             "", "| head tuned on | train rows | features | classifier (by CV) | CV accuracy | valid accuracy | "
+             "valid macro-F1 |", "|---|---:|---|---|---:|---:|---:|"]
     for r in record["rows"]:
-        lines.append(f"| {r['train']} | {r['train_rows']} | {100 * r['cv_accuracy']:.1f}% | "
+        lines.append(f"| {r['train']} | {r['train_rows']} | {record['features']} | {r['classifier']} | "
+                     f"{100 * r['cv_accuracy']:.1f}% | "
                      f"{100 * r['valid_accuracy']:.1f}% | {100 * r['valid_macro_f1']:.1f}% |")
     if not s:
         return "\n".join(lines)

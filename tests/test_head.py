@@ -20,11 +20,13 @@ from slimroute.task import Task
 HEAD_LABELS = tuple(f"intent_{i}" for i in range(12))  # more labels than the task: the head decides alone
 
 
-def random_head(model, tok, task: Task, labels=HEAD_LABELS, with_label_logprobs=False, seed=0) -> Head:
+def random_head(model, tok, task: Task, labels=HEAD_LABELS, with_label_logprobs=False, seed=0,
+                with_mean=False) -> Head:
     """A head with random weights on features standardised as tuning would (mean/std of real features),
     valid for this model, tokenizer and task."""
     gen = torch.Generator().manual_seed(seed)
-    features = Engine(model, tok, task).features(texts_for(seed + 100, 24), with_label_logprobs)  # (N, F)
+    features = Engine(model, tok, task).features(texts_for(seed + 100, 24), with_label_logprobs,
+                                                 with_mean=with_mean)  # (N, F)
     num_features = features.shape[1]
     return Head(
         labels,
@@ -32,7 +34,7 @@ def random_head(model, tok, task: Task, labels=HEAD_LABELS, with_label_logprobs=
         bias=torch.randn(len(labels), generator=gen, dtype=torch.float64) * 0.1,
         mean=features.mean(dim=0),
         std=features.std(dim=0) + 1e-3,
-        features="hidden+label-logprobs" if with_label_logprobs else "hidden",
+        features="hidden" + ("+mean" if with_mean else "") + ("+label-logprobs" if with_label_logprobs else ""),
         meta={"identity": identity(model, tok, task), "task": task_spec(task), "model": "tiny"},
     )
 
@@ -45,10 +47,13 @@ def texts_for(seed: int, n: int = 40) -> list[str]:
 @pytest.mark.parametrize("batch_size", [1, 7, 32])
 @pytest.mark.parametrize("prefix_cache", [True, False])
 @pytest.mark.parametrize("with_label_logprobs", [False, True])
-def test_fast_path_equals_reference_with_a_head(tiny, batch_size, prefix_cache, with_label_logprobs):
+@pytest.mark.parametrize("with_mean", [False, True])
+def test_fast_path_equals_reference_with_a_head(tiny, batch_size, prefix_cache, with_label_logprobs, with_mean):
     model, tok = tiny
     task = Task(LABEL_SETS["multi"])  # multi-token labels: their log-probs need the continuation steps
-    head = random_head(model, tok, task, with_label_logprobs=with_label_logprobs)
+    head = random_head(model, tok, task, with_label_logprobs=with_label_logprobs, with_mean=with_mean)
+    assert head.uses_mean == with_mean and head.weight.shape[1] == model.config.hidden_size * (1 + with_mean) + (
+        len(task.labels) if with_label_logprobs else 0)
     texts = texts_for(batch_size)
     config = EngineConfig(batch_size=batch_size, prefix_cache=prefix_cache)
     fast = Engine(model, tok, task, config, head=head).classify(texts)
@@ -89,20 +94,28 @@ def test_a_head_is_never_calibrated(tiny_qwen):
     assert Engine(model, tok, task, head=head).with_calibration(None).calibration is None
 
 
-def test_features_are_the_reference_hidden_state(tiny):
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_features_are_the_reference_hidden_states(tiny, prefix_cache):
+    """[last state, mean state over the item's tokens, label log-probs]: the mean from first principles (the
+    whole prompt's final-norm states after the prefix), with or without the prefix cache."""
     model, tok = tiny
     task = Task(LABEL_SETS["shared"])
     texts = texts_for(5, 12)
-    engine = Engine(model, tok, task, EngineConfig(batch_size=5))
-    features = engine.features(texts, with_label_logprobs=True)  # (N, H + L)
+    engine = Engine(model, tok, task, EngineConfig(batch_size=5, prefix_cache=prefix_cache))
+    features = engine.features(texts, with_label_logprobs=True, with_mean=True)  # (N, 2H + L)
     ref = ReferenceClassifier(model, tok, task)
     hidden = model.config.hidden_size
-    assert features.shape == (len(texts), hidden + len(task.labels)) and features.dtype == torch.float64
+    assert features.shape == (len(texts), 2 * hidden + len(task.labels)) and features.dtype == torch.float64
     for row, text in zip(features, texts, strict=True):
         prompt_ids = ref.prompt.prefix_ids + ref.prompt.item_ids(text)
-        assert torch.allclose(row[:hidden], ref._last_hidden(prompt_ids)[0].double(), atol=1e-5)
+        with torch.inference_mode():
+            states = model(input_ids=torch.tensor([prompt_ids]), output_hidden_states=True).hidden_states[-1][0]
+        item = states[len(ref.prompt.prefix_ids):].double()  # (n, H): the item's tokens, not the prefix
+        assert torch.allclose(row[:hidden], item[-1], atol=1e-5)
+        assert torch.allclose(row[hidden:2 * hidden], item.mean(dim=0), atol=1e-5)
         totals = [sum(lps) for lps in ref._label_logprobs(prompt_ids)]
-        assert torch.allclose(row[hidden:], torch.tensor(totals, dtype=torch.float64), atol=1e-4)
+        assert torch.allclose(row[2 * hidden:], torch.tensor(totals, dtype=torch.float64), atol=1e-4)
+    assert torch.equal(engine.features(texts, with_label_logprobs=True)[:, :hidden], features[:, :hidden])
     assert engine.features([]).shape[0] == 0
 
 

@@ -131,6 +131,24 @@ def test_int8_fast_path_gives_the_int8_references_bits(tiny_int8, labels, prefix
             assert [p.logprobs for p in fast] == [p.logprobs for p in ref], (decision, batch_size)  # bitwise
 
 
+@pytest.mark.parametrize("prefix_cache", [True, False], ids=["prefix", "no-prefix"])
+def test_int8_head_with_mean_states_gives_the_references_bits(tiny_int8, prefix_cache):
+    """A +mean head reads every item position's final state: their float64 means are bitwise equal too."""
+    from test_head import random_head
+
+    model, tok = tiny_int8
+    rng = random.Random(7 + prefix_cache)
+    texts = [make_text(rng, rng.choice([1, 4, 17, 60, 130])) for _ in range(33)]
+    task = Task(MULTI)
+    head = random_head(model, tok, task, with_mean=True, seed=5)
+    ref = ReferenceClassifier(model, tok, task, head=head).classify(texts)
+    for batch_size in (1, 7, 32):
+        config = EngineConfig(batch_size=batch_size, max_batch_tokens=None, prefix_cache=prefix_cache)
+        fast = Engine(model, tok, task, config, head=head).classify(texts)
+        assert [p.logprobs for p in fast] == [p.logprobs for p in ref], batch_size  # bitwise
+    assert len({p.label for p in ref}) > 1
+
+
 def test_quantised_weights_are_cached_and_reloaded_bitwise(tmp_path):
     texts = ["refund my card please", "app crash after login error"]
     task = Task(SINGLE)

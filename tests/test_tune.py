@@ -86,7 +86,7 @@ def head_dir(tmp_path, labelled, run) -> Path:
 
 def test_tune_writes_a_head_that_classify_and_verify_use(tmp_path, head_dir, labelled, run, model_dir):
     head = Head.load(head_dir)
-    assert head.labels == tuple(sorted(INTENTS)) and head.features == "hidden"
+    assert head.labels == tuple(sorted(INTENTS)) and head.features == "hidden+mean"
     meta = json.loads((head_dir / "head.json").read_text())
     assert meta["format"] == "slimroute-head" and meta["identity"]["hidden_size"] == 32
     assert set(meta["identity"]) == {"model_fingerprint", "tokenizer_fingerprint", "prompt_fingerprint",
@@ -126,10 +126,12 @@ def test_a_head_tuned_in_float32_serves_int8(tmp_path, head_dir, labelled, run):
 
 def test_tune_with_label_log_probs_as_features(tmp_path, labelled, run):
     out = tmp_path / "head"
-    result = run("tune", labelled, "--label-column", "intent", "--out", out, "--folds", "3", "--with-label-logprobs")
+    result = run("tune", labelled, "--label-column", "intent", "--out", out, "--folds", "3", "--with-label-logprobs",
+                 "--states", "last", "--classifier", "logistic")
     assert result.exit_code == 0, result.output
     head = Head.load(out)
     assert head.features == "hidden+label-logprobs" and head.weight.shape == (4, 32 + 4)
+    assert json.loads((out / "head.json").read_text())["cv"]["classifier"] == "logistic"
     result = run("verify", labelled, "--head", out, "--limit", "6")  # the reference scores each label's tokens
     assert result.exit_code == 0 and "label agreement 100.00%" in result.text
 
@@ -180,6 +182,8 @@ def test_calibrate_with_a_head_exits_2_and_writes_nothing(tmp_path, head_dir, la
     ("empty file", [], "no labelled rows: the input is empty"),
     ("unlabelled", [], "has no label in column 'intent'"),
     ("few", ["--folds", "1"], "folds must be an integer >= 2"),
+    ("few", ["--classifier", "svm"], "classifier must be one of auto, logistic, lda"),
+    ("few", ["--states", "first"], "--states must be 'last' or 'last+mean'"),
     ("few", ["--with-label-logprobs", "--labels", "card_arrival,exchange_rate"],
      "--with-label-logprobs needs the task's labels to be the head's labels"),
     ("few", ["--out", "{tmp}/labelled.csv"], "is a file; give a folder for the head"),
@@ -243,21 +247,38 @@ def test_serve_exits_2_for_a_head_of_another_model(head_dir, other_model_dir):
 
 
 def test_fit_head_matches_scikit_learn_and_handles_two_labels():
+    import torch
+    from sklearn.discriminant_analysis import LinearDiscriminantAnalysis
     from sklearn.linear_model import LogisticRegression
 
     rng = np.random.default_rng(0)
     for num_classes in (2, 5):
         y = np.repeat(np.arange(num_classes), 12)
         x = rng.normal(size=(len(y), 6)) + y[:, None] * 1.5
-        tensors, report = fit_head(x, y, TuneConfig(folds=3))
-        assert tensors["weight"].shape == (num_classes, 6) and report.accuracy > 0.8
-        head = Head(tuple(f"c{j}" for j in range(num_classes)), **tensors)
-        z = (x - tensors["mean"].numpy()) / tensors["std"].numpy()
-        want = LogisticRegression(C=report.c, max_iter=2000).fit(z, y).predict_proba(z)
-        import torch
+        for classifier in ("logistic", "lda"):
+            tensors, report = fit_head(x, y, TuneConfig(folds=3, classifier=classifier))
+            assert tensors["weight"].shape == (num_classes, 6) and report.accuracy > 0.8
+            assert report.classifier == classifier and list(report.scores) == list(
+                TuneConfig(classifier=classifier).candidates())
+            head = Head(tuple(f"c{j}" for j in range(num_classes)), **tensors)
+            z = (x - tensors["mean"].numpy()) / tensors["std"].numpy()
+            model = (LogisticRegression(C=report.c, max_iter=2000) if classifier == "logistic"
+                     else LinearDiscriminantAnalysis(solver="lsqr", shrinkage="auto"))
+            want = model.fit(z, y).predict_proba(z)
+            got = head.logprobs(torch.tensor(x)).exp().numpy()
+            np.testing.assert_allclose(got, want, atol=1e-6)
 
-        got = head.logprobs(torch.tensor(x)).exp().numpy()
-        np.testing.assert_allclose(got, want, atol=1e-6)
+
+def test_auto_picks_the_best_cross_validated_candidate():
+    """Few rows per label in many dimensions: shrinkage LDA beats the logistic regression in CV and is chosen."""
+    rng = np.random.default_rng(1)
+    num_classes, dims = 6, 40
+    centres = rng.normal(size=(num_classes, dims)) * 0.6
+    y = np.repeat(np.arange(num_classes), 8)
+    x = centres[y] + rng.normal(size=(len(y), dims)) @ rng.normal(size=(dims, dims)) * 0.3
+    _, report = fit_head(x, y, TuneConfig(folds=4))
+    assert set(report.scores) == {"logistic C=0.01", "logistic C=0.1", "logistic C=1", "lda"}
+    assert report.accuracy == max(report.scores.values()) and report.chosen in report.scores
 
 
 def test_check_labelled_names_the_problem():

@@ -415,12 +415,18 @@ def tune(
     with_label_logprobs: bool = typer.Option(False, "--with-label-logprobs",
                                              help="Also use the task labels' log-probs as features (the task's "
                                                   "labels must then be the rows' labels)."),
+    states: str = typer.Option("last+mean", "--states",
+                               help="Hidden states as features: 'last' (the item's last token) or 'last+mean' "
+                                    "(also their mean over the item's tokens; same forward pass)."),
+    classifier: str = typer.Option("auto", "--classifier",
+                                   help="auto (the best in cross-validation), logistic or lda."),
     folds: int = typer.Option(5, "--folds", help="Cross-validation folds (each label needs this many rows)."),
     limit: int = LIMIT,
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace the head already in --out."),
 ):
-    """Tune a head on labelled rows: a logistic regression on the model's last hidden state, with
-    cross-validated regularisation. Prints the cross-validated accuracy and macro-F1 and writes OUT.
+    """Tune a head on labelled rows: a linear classifier (logistic regression at a few regularisation
+    strengths, or shrinkage LDA, chosen by cross-validation) on the model's final hidden states. Prints the
+    cross-validated accuracy and macro-F1 and writes OUT.
 
     The prompt is --task/--labels if given, else the rows' labels (sorted) with --instructions."""
     from slimroute import tune as tuning
@@ -429,7 +435,10 @@ def tune(
 
     try:
         check_out(out, overwrite)
-        config = tuning.TuneConfig(folds=folds, with_label_logprobs=with_label_logprobs)
+        if states not in ("last", "last+mean"):
+            raise ValueError(f"--states must be 'last' or 'last+mean', got {states!r}")
+        config = tuning.TuneConfig(folds=folds, with_label_logprobs=with_label_logprobs,
+                                   with_mean=states == "last+mean", classifier=classifier)
         texts, golds = tuning.labelled_rows(read_input(input, text_column, "id", label_column, limit), label_column)
         classes = tuning.check_labelled(texts, golds, config.folds)
         the_task = (build_task(labels, instructions, task) if labels or task

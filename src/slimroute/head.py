@@ -1,8 +1,11 @@
-"""A tuned head: a linear classifier on each item's last hidden state (optionally + its label log-probs).
+"""A tuned head: a linear classifier on each item's final hidden states (optionally + its label log-probs).
 
-The features are what the label scorer already computes (the final-norm hidden state at the item's last
-token, and the task labels' exact log-probs), so a head costs no extra forward pass. They are
-standardised with the training mean/std, then softmax(W z + b) over the head's labels decides; both the
+The features come from the forward pass the label scorer already makes, so a head costs no extra pass:
+the final-norm hidden state at the item's last token ("hidden"), optionally beside the mean of the
+final-norm hidden states over the item's own tokens (the text and its chat-template turn, not the shared
+prefix: "+mean"), and the task labels' exact log-probs ("+label-logprobs"). The mean is taken in float64
+over the same contiguous (tokens, H) slice in the fast path and the reference, so it adds no rounding of
+its own between them. They are standardised with the training mean/std, then softmax(W z + b) over the head's labels decides; both the
 fast path and the reference apply this same head, so `verify` compares the hidden states behind it.
 
 On disk, a folder:
@@ -29,7 +32,7 @@ from slimroute.task import Example, Task
 
 FORMAT = "slimroute-head"
 FORMAT_VERSION = 1
-FEATURE_SETS = ("hidden", "hidden+label-logprobs")
+FEATURE_SETS = ("hidden", "hidden+mean", "hidden+label-logprobs", "hidden+mean+label-logprobs")
 WEIGHTS, META = "head.safetensors", "head.json"
 
 
@@ -64,7 +67,11 @@ class Head:
 
     @property
     def uses_label_logprobs(self) -> bool:
-        return self.features == "hidden+label-logprobs"
+        return self.features.endswith("+label-logprobs")
+
+    @property
+    def uses_mean(self) -> bool:
+        return uses_mean(self.features)
 
     @property
     def answer_ids(self) -> list[tuple[int, ...]]:
@@ -80,7 +87,8 @@ class Head:
         return Task(tuple(spec["labels"]), spec["instructions"], examples, **described)
 
     def logprobs(self, hidden: torch.Tensor, label_logprobs: torch.Tensor | None = None) -> torch.Tensor:
-        """(N, H) hidden states [+ (N, L) label log-probs] -> (N, C) float64 log-probs over the head's labels."""
+        """(N, H) or, with +mean, (N, 2H) item states (item_states) [+ (N, L) label log-probs] -> (N, C) float64
+        log-probs over the head's labels."""
         z = (head_features(hidden, label_logprobs) - self.mean) / self.std  # (N, F)
         return torch.log_softmax(z @ self.weight.T + self.bias, dim=-1)  # (N, C)
 
@@ -168,8 +176,27 @@ def check_out(folder: Path, overwrite: bool = False) -> None:
         raise ValueError(f"--out {str(folder)!r} already holds a head; pass --overwrite to replace it")
 
 
+def uses_mean(features: str) -> bool:
+    return features.startswith("hidden+mean")
+
+
+def item_states(hidden: torch.Tensor, lasts: list[int], counts: list[int], with_mean: bool) -> torch.Tensor:
+    """The head's view of each row of (B, T, H) final-norm hidden states: (B, H) at position lasts[b], and with
+    the mean (B, 2H) float64 [last, mean of the counts[b] positions up to and including lasts[b]].
+
+    Each row's mean sums one contiguous (count, H) slice in float64, the same slice, with the same shape, that
+    the reference (one item, no padding) sums, so padding and batch size change none of its bits."""
+    rows = torch.arange(hidden.shape[0], device=hidden.device)
+    last = hidden[rows, torch.as_tensor(lasts, device=hidden.device)]  # (B, H)
+    if not with_mean:
+        return last
+    means = [hidden[b, end - count + 1: end + 1].to(torch.float64).sum(dim=0) / count
+             for b, (end, count) in enumerate(zip(lasts, counts, strict=True))]
+    return torch.cat([last.to(torch.float64), torch.stack(means)], dim=1)  # (B, 2H)
+
+
 def head_features(hidden: torch.Tensor, label_logprobs: torch.Tensor | None = None) -> torch.Tensor:
-    """(N, H) [+ (N, L)] -> (N, F) float64: the hidden state, then each task label's total log-prob."""
+    """(N, H or 2H) item states [+ (N, L)] -> (N, F) float64: the states, then each task label's total log-prob."""
     hidden = hidden.to("cpu", torch.float64)
     if label_logprobs is None:
         return hidden

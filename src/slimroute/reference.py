@@ -3,7 +3,8 @@
 For every context the decision needs (the prompt, then the prompt plus each proper prefix of
 a multi-token label) it runs the whole model over the whole sequence and takes the full-vocabulary
 log-softmax at the last position. With a tuned head it runs the whole prompt once more for the
-final-norm hidden state at the last position and applies the head to it. Calibration offsets, when
+final-norm hidden state at the last position (and, for a +mean head, their mean over the item's tokens)
+and applies the head to it. Calibration offsets, when
 set, are subtracted from the label log-probs before the decision (never with a head). Every fast path is tested
 against this.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from slimroute.calibration import check_head
+from slimroute.head import item_states
 from slimroute.labels import Prediction, check_decision, make_prediction, redecide
 from slimroute.task import Prompt, Task, encode, render_prompt
 
@@ -52,18 +54,21 @@ class ReferenceClassifier:
         return torch.log_softmax(logits[0, -1].float(), dim=-1)
 
     @torch.inference_mode()
-    def _last_hidden(self, ids: list[int]) -> torch.Tensor:
+    def _item_states(self, ids: list[int]) -> torch.Tensor:
+        """(1, H) final-norm hidden state at the last position; with a +mean head (1, 2H): beside it the mean
+        over the item's tokens, everything after the task's prefix (head.item_states)."""
         device = next(self.model.parameters()).device
         out = self.model(input_ids=torch.tensor([ids], device=device), use_cache=False, logits_to_keep=1,
                          output_hidden_states=True)
-        return out.hidden_states[-1][:, -1]  # (1, H): the last layer's entry is after the final norm
+        hidden = out.hidden_states[-1]  # (1, T, H): the last layer's entry is after the final norm
+        return item_states(hidden, [len(ids) - 1], [len(ids) - len(self.prompt.prefix_ids)], self.head.uses_mean)
 
     def classify_one(self, text: str) -> Prediction:
         text, truncated = self.prompt.fit_text(text)
         prompt_ids = encode(self.tokenizer, render_prompt(self.tokenizer, self.task, text))
         if self.head is not None:
             label_lps = [self._label_logprobs(prompt_ids)] if self.head.uses_label_logprobs else None
-            lps = self.head.token_logprobs(self._last_hidden(prompt_ids), label_lps)[0]
+            lps = self.head.token_logprobs(self._item_states(prompt_ids), label_lps)[0]
         else:
             lps = self._label_logprobs(prompt_ids)
         return make_prediction(self.labels, self.answer_ids, lps, self.decision, len(prompt_ids), truncated,
