@@ -90,7 +90,10 @@ class Head:
         """(N, H) or, with +mean, (N, 2H) item states (item_states) [+ (N, L) label log-probs] -> (N, C) float64
         log-probs over the head's labels."""
         z = (head_features(hidden, label_logprobs) - self.mean) / self.std  # (N, F)
-        return torch.log_softmax(z @ self.weight.T + self.bias, dim=-1)  # (N, C)
+        # One matrix-vector product per row: a GEMM's rounding may follow its row count, and a row's answer must
+        # not depend on the batch it came in (int8 is compared bitwise with the one-at-a-time reference).
+        logits = torch.stack([self.weight @ row for row in z]) if len(z) else z.new_empty(0, len(self.labels))
+        return torch.log_softmax(logits + self.bias, dim=-1)  # (N, C)
 
     def token_logprobs(self, hidden: torch.Tensor, label_token_logprobs: list | None = None) -> list:
         """The engine's per-row shape: [row][head label][0], one step per label (see answer_ids)."""
