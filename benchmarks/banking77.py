@@ -77,7 +77,7 @@ def cached_features(engine: Engine, texts: list[str], folder: Path, log, with_me
     start, rate = time.perf_counter(), None
     for i in range(0, len(missing), chunk):
         part = missing[i: i + chunk]
-        cache.update(zip(part, engine.features(part, with_mean=with_mean), strict=True))
+        cache.update(zip(part, engine.features(part, states="last+mean" if with_mean else "last"), strict=True))
         folder.mkdir(parents=True, exist_ok=True)
         torch.save(cache, path)
         rate = (i + len(part)) / (time.perf_counter() - start)
@@ -152,13 +152,15 @@ def main() -> None:
         heads[name] = head
         result = evaluate(head, valid_x, valid_gold)
         rows.append({"train": name, "train_rows": len(y), "cv_accuracy": cv.accuracy, "cv_macro_f1": cv.macro_f1,
-                     "classifier": cv.chosen, "cv_scores": cv.scores, "fit_s": round(fit_s, 1), "valid_accuracy": result["accuracy"],
+                     "classifier": cv.chosen, "cv_scores": cv.scores, "fit_s": round(fit_s, 1),
+                     "valid_accuracy": result["accuracy"],
                      "valid_macro_f1": result["macro_f1"]})
         log(f"{name}: valid accuracy {100 * result['accuracy']:.1f}%, macro-F1 {100 * result['macro_f1']:.1f}%")
 
     speed = measure_speed(loaded, task, heads[settings[-1][0]], engine, valid[: args.speed_rows], valid_x)
     record = {"command": command, "machine": machine_info(loaded.threads), "model": args.model,
-              "dtype": args.dtype, "instructions": INSTRUCTIONS, "features": config.features, "valid_rows": len(valid), "rows": rows,
+              "dtype": args.dtype, "instructions": INSTRUCTIONS, "features": config.features,
+              "valid_rows": len(valid), "rows": rows,
               "speed": speed, "feature_extraction_items_per_s": {"train": train_rate, "valid": valid_rate}}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "banking77.json").write_text(json.dumps(record, indent=2) + "\n")

@@ -22,15 +22,16 @@ def test_labelled_tickets_are_balanced_and_not_evaluated():
 
 
 def test_every_row_agrees_with_the_reference(model_dir):
-    record = run_accuracy_bench(n=9, model=model_dir, dtype="float32", threads=1, shots=1, calibration_rows=6, check=3,
+    record = run_accuracy_bench(n=9, model=model_dir, dtype="float32", threads=1, shots=1, calibration_rows=12, check=3,
                                 log=lambda line: None)
     names = [r["name"] for r in record["rows"]]
     assert record["dtype"] == "float32"  # what the dtype resolved to
-    assert len(names) == 16 and names[:4] == ["zero-shot", "zero-shot + content-free calibration",
+    assert len(names) == 18 and names[:4] == ["zero-shot", "zero-shot + content-free calibration",
                                               "zero-shot + batch calibration", "zero-shot + fitted calibration"]
     for row in record["rows"]:
         assert row["agreement"] == 1.0 and row["max_dlogprob"] <= 1e-4, row
         assert 0 <= row["accuracy"] <= 1 and row["items_per_s"] > 0
+    assert names[16:] == ["head from the descriptions (no labelled rows)", "head tuned on 12 labelled tickets"]
     few_shot = next(r for r in record["rows"] if r["name"].startswith("few-shot"))
     assert few_shot["prefix_tokens"] > record["rows"][0]["prefix_tokens"]
     assert "| zero-shot + fitted calibration |" in markdown(record, "slimroute bench --accuracy")

@@ -174,7 +174,8 @@ def test_calibrated_output_keeps_the_models_probabilities(tmp_path, src, invoke,
     assert header == ("id,label,p_billing,p_technical,p_account,raw_p_billing,raw_p_technical,raw_p_account,"
                       "truncated,error")
     calibration = json.loads(summary_json.read_text())["calibration"]
-    assert calibration["mode"] == mode and f"calibration │ {mode} from {calibration['num_inputs']} texts" in result.text
+    assert calibration["mode"] == mode
+    assert f"calibration │ {mode} from {calibration['num_inputs']} texts" in result.text
     assert calibration["num_inputs"] == {"content-free": 3, "batch": 4, "fitted": 6}[mode]
 
 

@@ -14,6 +14,9 @@ ZEN5 = CpuFeatures("AMD EPYC (Zen 5)", frozenset(
 ZEN3 = CpuFeatures("AMD EPYC (Zen 3)", frozenset("avx2 fma f16c".split()), "AVX2", "x86_64")
 SKYLAKE = CpuFeatures("Intel Xeon (Skylake-SP)", frozenset("avx2 avx512f avx512bw avx512vl avx512dq".split()),
                       "AVX512", "x86_64")
+SAPPHIRE_RAPIDS = CpuFeatures("Intel Xeon (AMX)", frozenset(
+    "avx2 fma avx512f avx512bw avx512vl avx512dq avx512_bf16 avx512_vnni avx_vnni amx_bf16 amx_int8 amx_tile".split()),
+    "AVX512", "x86_64")
 OLD_X86 = CpuFeatures("Intel Core 2", frozenset("sse4_1 sse4_2".split()), "DEFAULT", "x86_64")
 ARM = CpuFeatures("Apple M2", frozenset("fp asimd".split()), "DEFAULT", "arm64")
 FBGEMM = "fbgemm" in torch.backends.quantized.supported_engines
@@ -25,6 +28,7 @@ needs_fbgemm = pytest.mark.skipif(not FBGEMM, reason="this torch build has no fb
     (ZEN5, "bfloat16", "native BF16"),
     (ZEN3, "int8", "AVX2 without native BF16"),
     (SKYLAKE, "int8", "AVX2 without native BF16"),  # oneDNN's bf16 runs there, but emulated: no faster than int8
+    (SAPPHIRE_RAPIDS, "int8", "VNNI; bf16 on AMX is faster but not batch-invariant"),
     (OLD_X86, "float32", "no native BF16 and no int8 kernels"),
     (ARM, "float32", "no native BF16 and no int8 kernels"),
 ])

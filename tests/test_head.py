@@ -13,7 +13,7 @@ from tiny import make_text, tiny_model
 from slimroute.config import EngineConfig
 from slimroute.engine import Engine
 from slimroute.fingerprint import identity
-from slimroute.head import Head, HeadMismatchError, check_out, task_spec
+from slimroute.head import FEATURE_SETS, Head, HeadMismatchError, check_out, feature_states, task_spec
 from slimroute.reference import ReferenceClassifier
 from slimroute.task import Task
 
@@ -21,12 +21,13 @@ HEAD_LABELS = tuple(f"intent_{i}" for i in range(12))  # more labels than the ta
 
 
 def random_head(model, tok, task: Task, labels=HEAD_LABELS, with_label_logprobs=False, seed=0,
-                with_mean=False) -> Head:
+                features="hidden", normalize=False) -> Head:
     """A head with random weights on features standardised as tuning would (mean/std of real features),
-    valid for this model, tokenizer and task."""
+    valid for this model, tokenizer and task. features: a head.FEATURE_SETS name without "+label-logprobs"."""
     gen = torch.Generator().manual_seed(seed)
+    feature_set = features + ("+label-logprobs" if with_label_logprobs else "")
     features = Engine(model, tok, task).features(texts_for(seed + 100, 24), with_label_logprobs,
-                                                 with_mean=with_mean)  # (N, F)
+                                                 states=feature_states(feature_set))  # (N, F)
     num_features = features.shape[1]
     return Head(
         labels,
@@ -34,8 +35,9 @@ def random_head(model, tok, task: Task, labels=HEAD_LABELS, with_label_logprobs=
         bias=torch.randn(len(labels), generator=gen, dtype=torch.float64) * 0.1,
         mean=features.mean(dim=0),
         std=features.std(dim=0) + 1e-3,
-        features="hidden" + ("+mean" if with_mean else "") + ("+label-logprobs" if with_label_logprobs else ""),
+        features=feature_set,
         meta={"identity": identity(model, tok, task), "task": task_spec(task), "model": "tiny"},
+        normalize=normalize,
     )
 
 
@@ -46,14 +48,17 @@ def texts_for(seed: int, n: int = 40) -> list[str]:
 
 @pytest.mark.parametrize("batch_size", [1, 7, 32])
 @pytest.mark.parametrize("prefix_cache", [True, False])
-@pytest.mark.parametrize("with_label_logprobs", [False, True])
-@pytest.mark.parametrize("with_mean", [False, True])
-def test_fast_path_equals_reference_with_a_head(tiny, batch_size, prefix_cache, with_label_logprobs, with_mean):
+@pytest.mark.parametrize("features", [*FEATURE_SETS, "mean, normalized"])
+def test_fast_path_equals_reference_with_a_head(tiny, batch_size, prefix_cache, features):
     model, tok = tiny
     task = Task(LABEL_SETS["multi"])  # multi-token labels: their log-probs need the continuation steps
-    head = random_head(model, tok, task, with_label_logprobs=with_label_logprobs, with_mean=with_mean)
-    assert head.uses_mean == with_mean and head.weight.shape[1] == model.config.hidden_size * (1 + with_mean) + (
-        len(task.labels) if with_label_logprobs else 0)
+    with_label_logprobs = features.endswith("+label-logprobs")
+    head = random_head(model, tok, task, with_label_logprobs=with_label_logprobs, seed=len(features),
+                       features=features.split(",")[0].removesuffix("+label-logprobs"),
+                       normalize=features.endswith("normalized"))
+    states = {"last": 1, "mean": 1, "last+mean": 2}[head.states]
+    assert head.weight.shape[1] == model.config.hidden_size * states + (len(task.labels) if with_label_logprobs
+                                                                        else 0)
     texts = texts_for(batch_size)
     config = EngineConfig(batch_size=batch_size, prefix_cache=prefix_cache)
     fast = Engine(model, tok, task, config, head=head).classify(texts)
@@ -102,7 +107,7 @@ def test_features_are_the_reference_hidden_states(tiny, prefix_cache):
     task = Task(LABEL_SETS["shared"])
     texts = texts_for(5, 12)
     engine = Engine(model, tok, task, EngineConfig(batch_size=5, prefix_cache=prefix_cache))
-    features = engine.features(texts, with_label_logprobs=True, with_mean=True)  # (N, 2H + L)
+    features = engine.features(texts, with_label_logprobs=True, states="last+mean")  # (N, 2H + L)
     ref = ReferenceClassifier(model, tok, task)
     hidden = model.config.hidden_size
     assert features.shape == (len(texts), 2 * hidden + len(task.labels)) and features.dtype == torch.float64
@@ -116,6 +121,7 @@ def test_features_are_the_reference_hidden_states(tiny, prefix_cache):
         totals = [sum(lps) for lps in ref._label_logprobs(prompt_ids)]
         assert torch.allclose(row[2 * hidden:], torch.tensor(totals, dtype=torch.float64), atol=1e-4)
     assert torch.equal(engine.features(texts, with_label_logprobs=True)[:, :hidden], features[:, :hidden])
+    assert torch.equal(engine.features(texts, states="mean"), features[:, hidden:2 * hidden])
     assert engine.features([]).shape[0] == 0
 
 
@@ -126,6 +132,11 @@ def test_head_round_trips_through_its_folder(tiny_qwen, tmp_path):
     head.save(tmp_path / "head")
     loaded = Head.load(tmp_path / "head")
     assert loaded.labels == head.labels and loaded.features == head.features and loaded.meta == head.meta
+    assert not loaded.normalize
+    normalized = random_head(model, tok, task, features="mean", normalize=True)
+    normalized.save(tmp_path / "normalized")
+    assert Head.load(tmp_path / "normalized").normalize and normalized.digest != random_head(
+        model, tok, task, features="mean").digest
     for name in ("weight", "bias", "mean", "std"):
         assert torch.equal(getattr(loaded, name), getattr(head, name))
     assert loaded.task == task and loaded.digest == head.digest

@@ -101,6 +101,8 @@ def test_auto_attention_is_eager_only_for_bf16_on_cpu():
 
 
 @needs_bf16
+@pytest.mark.skipif(CPU.amx, reason=f"oneDNN runs bf16 on AMX tiles here ({CPU.describe()}), whose rounding follows "
+                    "the GEMM's shape: not batch-invariant, so --dtype auto picks int8 on this CPU (cpu.py)")
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_bf16_fast_path_is_batch_invariant_with_auto_attention(arch):
     """bf16 with the CPU defaults (oneDNN linear, eager attention): the cached, padded, batched engine gives

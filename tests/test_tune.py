@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import torch
 from rich.console import Console
 from test_server import live_server
 from tiny import tiny_model
@@ -22,7 +23,7 @@ from slimroute.engine import Engine
 from slimroute.head import Head
 from slimroute.models import load_model
 from slimroute.server import BatchSettings, ServerSettings, TaskSet, create_app, serve
-from slimroute.tune import TuneConfig, check_labelled, fit_head
+from slimroute.tune import TuneConfig, _logits, check_labelled, fit_head, fit_temperature
 
 BANKING77 = Path(__file__).resolve().parents[1] / "data" / "banking77" / "train.csv"
 INTENTS = ("card_arrival", "exchange_rate", "lost_or_stolen_card", "top_up_failed")
@@ -264,9 +265,27 @@ def test_fit_head_matches_scikit_learn_and_handles_two_labels():
             z = (x - tensors["mean"].numpy()) / tensors["std"].numpy()
             model = (LogisticRegression(C=report.c, max_iter=2000) if classifier == "logistic"
                      else LinearDiscriminantAnalysis(solver="lsqr", shrinkage="auto"))
-            want = model.fit(z, y).predict_proba(z)
+            logits = _logits(model.fit(z, y).decision_function(z)) / report.temperature  # temperature-scaled
+            want = np.exp(logits - logits.max(axis=1, keepdims=True))
+            want /= want.sum(axis=1, keepdims=True)
             got = head.logprobs(torch.tensor(x)).exp().numpy()
             np.testing.assert_allclose(got, want, atol=1e-6)
+            assert (got.argmax(axis=1) == model.predict(z)).all()  # the temperature changes no decision
+
+
+def test_temperature_makes_overconfident_logits_honest():
+    """Logits 50x too sharp, with a fifth of the answers wrong: T brings their out-of-fold log-loss down."""
+    from scipy.special import log_softmax
+
+    rng = np.random.default_rng(2)
+    y = rng.integers(0, 4, size=400)
+    logits = rng.normal(size=(400, 4))
+    right = rng.random(400) < 0.8
+    logits[np.arange(400)[right], y[right]] += 3.0
+    sharp = 50 * logits
+    t = fit_temperature(sharp, y)
+    nll = lambda v: -log_softmax(v, axis=1)[np.arange(400), y].mean()  # noqa: E731
+    assert 20 < t < 200 and nll(sharp / t) < nll(sharp) / 10 and nll(sharp / t) <= nll(logits) + 1e-3
 
 
 def test_auto_picks_the_best_cross_validated_candidate():
@@ -289,3 +308,82 @@ def test_check_labelled_names_the_problem():
         check_labelled(["a", " "], ["x", "y"], 2)
     with pytest.raises(ValueError, match="label 'y' has 1 example; tuning needs at least 2"):
         check_labelled(["a", "b", "c"], ["x", "x", "y"], 2)
+
+
+DESCRIBED_TASK = """\
+labels:
+  - name: card_arrival
+    description: when a new or replacement card will arrive in the post
+  - name: exchange_rate
+    description: the rate used to convert between currencies
+  - name: lost_or_stolen_card
+    description: a card that was lost or stolen and must be blocked
+instructions: Route the banking question.
+"""
+
+
+def test_a_head_from_descriptions_scores_cosine_similarities(tiny_qwen, tmp_path):
+    """From first principles: the mean states of the items, the descriptions and the content-free texts, the
+    cosine similarity of item - centre and description - centre, times the scale, softmaxed."""
+    from slimroute.calibration import CONTENT_FREE_TEXTS
+    from slimroute.reference import ReferenceClassifier
+    from slimroute.task import Task
+    from slimroute.tune import DESCRIPTION_SCALE, description_head, description_task
+
+    model, tok = tiny_qwen
+    (tmp_path / "task.yaml").write_text(DESCRIBED_TASK)
+    described = Task.from_file(tmp_path / "task.yaml")
+    task = description_task(described)
+    assert task.labels == described.labels and task.descriptions == () and task.instructions == described.instructions
+    engine = Engine(model, tok, task, EngineConfig(batch_size=4))
+    head = description_head(engine, dict(described.descriptions))
+    assert head.features == "mean" and head.normalize and head.labels == task.labels
+    assert head.meta["from_descriptions"]["centre_texts"] == list(CONTENT_FREE_TEXTS)
+
+    texts = [row["text"] for row in banking_rows(3)]
+    mean = lambda items: engine.features(items, states="mean")  # noqa: E731  (N, H) float64
+    centre = mean(list(CONTENT_FREE_TEXTS)).mean(dim=0)
+    protos = mean([f"{label}: {described.description(label)}" for label in task.labels]) - centre
+    items = mean(texts) - centre
+    cosine = (items / items.norm(dim=1, keepdim=True)) @ (protos / protos.norm(dim=1, keepdim=True)).T  # (N, C)
+    expected = torch.log_softmax(DESCRIPTION_SCALE * cosine, dim=1)
+    preds = Engine(model, tok, task, EngineConfig(batch_size=7), head=head).classify(texts)
+    got = torch.tensor([[p.logprobs[label] for label in task.labels] for p in preds], dtype=torch.float64)
+    assert torch.allclose(got, expected, atol=1e-9)
+    ref = ReferenceClassifier(model, tok, task, head=head).classify(texts)
+    assert [p.label for p in ref] == [p.label for p in preds]
+    assert max(abs(p.logprobs[k] - r.logprobs[k]) for p, r in zip(preds, ref, strict=True) for k in task.labels) <= 1e-4
+
+
+def test_tune_from_descriptions_writes_a_head_that_classify_and_verify_use(tmp_path, labelled, run):
+    task_file = tmp_path / "task.yaml"
+    task_file.write_text(DESCRIBED_TASK)
+    head_dir = tmp_path / "head"
+    result = run("tune", "--from-descriptions", "--task", task_file, "--out", head_dir, "--dtype", "float32")
+    assert result.exit_code == 0, result.output
+    head = Head.load(head_dir)
+    assert head.features == "mean" and head.normalize and head.meta["command"].startswith("slimroute")
+    assert "cosine similarity" in result.text
+    result = run("verify", labelled, "--head", head_dir, "--json", tmp_path / "v.json", "--dtype", "float32",
+                 "--batch-size", "5")
+    assert result.exit_code == 0, result.output
+    record = json.loads((tmp_path / "v.json").read_text())
+    assert record["agreement"] == 1.0 and record["max_abs_logprob_diff"] <= 1e-4
+
+
+@pytest.mark.parametrize("task_text, args, message", [
+    (DESCRIBED_TASK.replace("    description: the rate used to convert between currencies\n", ""), [],
+     "needs a description for every label; 'exchange_rate' has none"),
+    (DESCRIBED_TASK, ["{tmp}/labelled.csv"], "--from-descriptions takes no input file"),
+    (None, [], "--from-descriptions needs --task"),
+])
+def test_tune_from_descriptions_errors_exit_2_and_write_nothing(tmp_path, labelled, run, task_text, args, message):
+    task_args = []
+    if task_text is not None:
+        (tmp_path / "task.yaml").write_text(task_text)
+        task_args = ["--task", tmp_path / "task.yaml"]
+    result = run("tune", *[a.format(tmp=tmp_path) for a in args], "--from-descriptions", *task_args,
+                 "--out", tmp_path / "head")
+    assert result.exit_code == 2, result.output
+    assert "error:" in result.text and message in result.text
+    assert not (tmp_path / "head").exists()

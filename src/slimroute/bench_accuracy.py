@@ -1,8 +1,10 @@
 """`slimroute bench --accuracy`: how often the router is right on the sample tickets, per accuracy option.
 
 Rows, per prompt (zero-shot; with label descriptions; few-shot examples read from a file): the plain
-decision, then each calibration mode (content-free, batch, fitted). Each row gives accuracy, macro-F1
-and items/s, and checks the fast path against the reference on the first `check` tickets (label
+decision, then each calibration mode (content-free, batch, fitted). Then two heads on the zero-shot prompt:
+one built from the label descriptions alone (tune.description_head), one tuned on the labelled tickets that
+the fitted calibration uses (tune.tune_head); their setup time is building or tuning the head. Each row gives
+accuracy, macro-F1 and items/s, and checks the fast path against the reference on the first `check` tickets (label
 agreement with the row's offsets applied to both paths; max |Δ log-prob| of the model's log-probs).
 
 A calibration row reuses its prompt's timed forward pass: calibration only re-decides over label
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import tempfile
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -32,6 +35,7 @@ from slimroute.models import load_model
 from slimroute.reference import ReferenceClassifier
 from slimroute.synth import CLASSES, synthetic_tickets
 from slimroute.task import Task
+from slimroute.tune import TuneConfig, description_head, tune_head
 from slimroute.verify import compare
 
 # The same descriptions as data/tickets-task.yaml (a test keeps them equal).
@@ -126,6 +130,25 @@ def run_accuracy_bench(n=600, model="qwen2.5-coder-0.5b", dtype="auto", threads=
             refs = [redecide(p, labels, engine.label_ids, config.decision, offsets.values) for p in ref]
             add(score_row(f"{name} + {mode} calibration", calibrated, refs, golds, labels, seconds + redecide_s,
                           prefix, setup_s))
+    plain = Task(labels)
+    folds = min(5, *Counter(g for _, g in labelled).values())
+    heads = {"head from the descriptions (no labelled rows)": lambda: description_head(
+                 Engine(loaded.model, loaded.tokenizer, plain, config, loaded.max_positions), DESCRIPTIONS),
+             f"head tuned on {len(labelled)} labelled tickets": lambda: tune_head(
+                 Engine(loaded.model, loaded.tokenizer, plain, config, loaded.max_positions),
+                 [t for t, _ in labelled], [g for _, g in labelled], TuneConfig(folds=folds), list(labels))[0]}
+    for name, make in heads.items():
+        start = time.perf_counter()
+        head = make()
+        setup_s = time.perf_counter() - start
+        engine = Engine.from_loaded(loaded, plain, config, head)
+        engine.classify(texts[:4])
+        start = time.perf_counter()
+        fast = engine.classify(texts)
+        seconds = time.perf_counter() - start
+        ref = ReferenceClassifier(loaded.model, loaded.tokenizer, plain, config.decision, loaded.max_positions,
+                                  head).classify(texts[:check])
+        add(score_row(name, fast, ref, golds, labels, seconds, len(engine.prompt.prefix_ids), setup_s))
     from slimroute.bench import machine_info
 
     return {"machine": machine_info(threads), "n": n, "model": model, "dtype": loaded.precision, "check": check,

@@ -405,7 +405,7 @@ def verify(
 
 @app.command()
 def tune(
-    input: Path = typer.Argument(..., help="Labelled CSV, JSONL or Parquet file."),
+    input: Path = typer.Argument(None, help="Labelled CSV, JSONL or Parquet file (none with --from-descriptions)."),
     out: Path = typer.Option(..., "--out", "-o", help="Folder for the head (head.safetensors + head.json)."),
     text_column: str = TEXT_COL,
     label_column: str = typer.Option("label", "--label-column", help="The column with each row's label."),
@@ -421,6 +421,9 @@ def tune(
     classifier: str = typer.Option("auto", "--classifier",
                                    help="auto (the best in cross-validation), logistic or lda."),
     folds: int = typer.Option(5, "--folds", help="Cross-validation folds (each label needs this many rows)."),
+    from_descriptions: bool = typer.Option(False, "--from-descriptions",
+                                           help="No labelled rows: build the head from the label descriptions of "
+                                                "--task (cosine similarity of mean hidden states)."),
     limit: int = LIMIT,
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace the head already in --out."),
 ):
@@ -428,12 +431,20 @@ def tune(
     strengths, or shrinkage LDA, chosen by cross-validation) on the model's final hidden states. Prints the
     cross-validated accuracy and macro-F1 and writes OUT.
 
-    The prompt is --task/--labels if given, else the rows' labels (sorted) with --instructions."""
+    The prompt is --task/--labels if given, else the rows' labels (sorted) with --instructions.
+    With --from-descriptions and no input, the head comes from --task's label descriptions instead."""
     from slimroute import tune as tuning
     from slimroute.head import check_out
     from slimroute.task import DEFAULT_INSTRUCTIONS, Task
 
+    if from_descriptions:
+        return tune_from_descriptions(input, out, labels, instructions, task, model, dtype, threads, device,
+                                      engine_config(batch_size, max_batch_tokens, no_prefix_cache, False, "greedy"),
+                                      overwrite)
     try:
+        if input is None:
+            raise ValueError("no input: give a labelled file to tune on, or --from-descriptions with a --task "
+                             "whose labels are described")
         check_out(out, overwrite)
         if states not in ("last", "last+mean"):
             raise ValueError(f"--states must be 'last' or 'last+mean', got {states!r}")
@@ -465,6 +476,38 @@ def tune(
         table.add_row(name, value)
     console.print(table)
     console.print(f"wrote {out / 'head.safetensors'} and {out / 'head.json'}")
+
+
+def tune_from_descriptions(input, out, labels, instructions, task, model, dtype, threads, device, config, overwrite):
+    from slimroute import tune as tuning
+    from slimroute.head import check_out
+
+    try:
+        if input is not None:
+            raise ValueError("--from-descriptions takes no input file: it fits nothing. To measure the head on "
+                             "labelled rows, classify them with --head and run `slimroute eval`")
+        if task is None:
+            raise ValueError("--from-descriptions needs --task: a task file whose labels have descriptions")
+        check_out(out, overwrite)
+        described = build_task(labels, instructions, task)
+        prompt = tuning.description_task(described)
+        loaded = load(model, dtype, threads, device)
+        engine = make_classifier(loaded, prompt, config)
+    except (ValueError, ModelNotFoundError) as exc:
+        fail(str(exc))
+    with console.status(f"scoring {len(prompt.labels)} descriptions"):
+        head = tuning.description_head(engine, dict(described.descriptions), tuning.head_meta(model, loaded.precision,
+                                                                                              task))
+    head.save(out, overwrite)
+    table = Table(title="head from label descriptions (nothing fitted)", show_header=False)
+    for name, value in [("labels", ", ".join(head.labels)), ("features", f"{head.features} ({head.weight.shape[1]}),"
+                        " centred on content-free texts, unit length"),
+                        ("prompt", "the task's labels and instructions; the descriptions are the prototypes"),
+                        ("scores", f"{tuning.DESCRIPTION_SCALE:g} x cosine similarity to each description")]:
+        table.add_row(name, value)
+    console.print(table)
+    console.print(f"wrote {out / 'head.safetensors'} and {out / 'head.json'}; measure it: slimroute classify ... "
+                  f"--head {out} then slimroute eval")
 
 
 @app.command("eval")

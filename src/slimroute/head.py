@@ -5,12 +5,18 @@ the final-norm hidden state at the item's last token ("hidden"), optionally besi
 final-norm hidden states over the item's own tokens (the text and its chat-template turn, not the shared
 prefix: "+mean"), and the task labels' exact log-probs ("+label-logprobs"). The mean is taken in float64
 over the same contiguous (tokens, H) slice in the fast path and the reference, so it adds no rounding of
-its own between them. They are standardised with the training mean/std, then softmax(W z + b) over the head's labels decides; both the
-fast path and the reference apply this same head, so `verify` compares the hidden states behind it.
+its own between them. They are standardised with the training mean/std, then softmax(W z + b) over the
+head's labels decides; both the fast path and the reference apply this same head, so `verify` compares the
+hidden states behind it.
+
+A description head (tune.description_head: no labelled rows) reads the mean state alone ("mean"), centred
+on the mean state of content-free inputs and scaled to unit length (`normalize`); its rows of W point from
+that centre to each label description's own mean state, so it scores the cosine similarity between an item
+and each description.
 
 On disk, a folder:
   head.safetensors  weight (C, F), bias (C,), mean (F,), std (F,) in float64
-  head.json         labels, feature set, the task (prompt) it was tuned with, the identity of the model,
+  head.json         labels, feature set, normalize, the task (prompt) it was tuned with, the identity of the model,
                     tokenizer and prompt (fingerprint.py), the cross-validated scores, version, command
 A head loads only where that identity matches: anything else is a HeadMismatchError.
 """
@@ -32,7 +38,8 @@ from slimroute.task import Example, Task
 
 FORMAT = "slimroute-head"
 FORMAT_VERSION = 1
-FEATURE_SETS = ("hidden", "hidden+mean", "hidden+label-logprobs", "hidden+mean+label-logprobs")
+FEATURE_SETS = ("hidden", "hidden+mean", "hidden+label-logprobs", "hidden+mean+label-logprobs", "mean")
+STATES = ("last", "last+mean", "mean")  # which final hidden states item_states hands a head
 WEIGHTS, META = "head.safetensors", "head.json"
 
 
@@ -49,6 +56,7 @@ class Head:
     std: torch.Tensor  # (F,)
     features: str = "hidden"
     meta: dict = field(default_factory=dict)  # identity, task, cv, version, command (see module docstring)
+    normalize: bool = False  # scale each standardised feature row to unit length first (a description head)
 
     def __post_init__(self):
         for name in ("weight", "bias", "mean", "std"):  # float64 on the CPU: the head's own rounding stays negligible
@@ -70,8 +78,8 @@ class Head:
         return self.features.endswith("+label-logprobs")
 
     @property
-    def uses_mean(self) -> bool:
-        return uses_mean(self.features)
+    def states(self) -> str:
+        return feature_states(self.features)
 
     @property
     def answer_ids(self) -> list[tuple[int, ...]]:
@@ -90,6 +98,8 @@ class Head:
         """(N, H) or, with +mean, (N, 2H) item states (item_states) [+ (N, L) label log-probs] -> (N, C) float64
         log-probs over the head's labels."""
         z = (head_features(hidden, label_logprobs) - self.mean) / self.std  # (N, F)
+        if self.normalize:  # row by row: W z is then a cosine similarity, times the length of W's rows
+            z = z / z.norm(dim=1, keepdim=True).clamp_min(torch.finfo(z.dtype).tiny)
         # One matrix-vector product per row: a GEMM's rounding may follow its row count, and a row's answer must
         # not depend on the batch it came in (int8 is compared bitwise with the one-at-a-time reference).
         logits = torch.stack([self.weight @ row for row in z]) if len(z) else z.new_empty(0, len(self.labels))
@@ -110,7 +120,8 @@ class Head:
     @property
     def digest(self) -> str:
         """A short hash of the whole head (tensors and metadata), for a job's resume fingerprint."""
-        digest = hashlib.sha256(json.dumps([self.labels, self.features, self.meta], sort_keys=True).encode())
+        digest = hashlib.sha256(json.dumps([self.labels, self.features, self.meta, self.normalize],
+                                           sort_keys=True).encode())
         for tensor in (self.weight, self.bias, self.mean, self.std):
             digest.update(tensor.to(torch.float64).contiguous().numpy().tobytes())
         return digest.hexdigest()[:16]
@@ -131,7 +142,7 @@ class Head:
             tensors = {"weight": self.weight, "bias": self.bias, "mean": self.mean, "std": self.std}
             save_file({k: v.to(torch.float64).contiguous() for k, v in tensors.items()}, str(tmp / WEIGHTS))
             meta = {"format": FORMAT, "version": FORMAT_VERSION, "labels": list(self.labels),
-                    "features": self.features, **self.meta}
+                    "features": self.features, "normalize": self.normalize, **self.meta}
             (tmp / META).write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
             umask = os.umask(0)
             os.umask(umask)
@@ -164,8 +175,9 @@ class Head:
             raise ValueError(f"head {str(folder)!r} has format {meta.get('format')!r} version "
                              f"{meta.get('version')!r}; this slimroute reads {FORMAT} version {FORMAT_VERSION}")
         meta = {k: v for k, v in meta.items() if k not in ("format", "version")}
-        labels, features = tuple(meta.pop("labels")), meta.pop("features")
-        return cls(labels, tensors["weight"], tensors["bias"], tensors["mean"], tensors["std"], features, meta)
+        labels, features, normalize = tuple(meta.pop("labels")), meta.pop("features"), meta.pop("normalize", False)
+        return cls(labels, tensors["weight"], tensors["bias"], tensors["mean"], tensors["std"], features, meta,
+                   bool(normalize))
 
 
 def check_out(folder: Path, overwrite: bool = False) -> None:
@@ -179,23 +191,27 @@ def check_out(folder: Path, overwrite: bool = False) -> None:
         raise ValueError(f"--out {str(folder)!r} already holds a head; pass --overwrite to replace it")
 
 
-def uses_mean(features: str) -> bool:
-    return features.startswith("hidden+mean")
+def feature_states(features: str) -> str:
+    """The hidden states (STATES) a feature set reads."""
+    return "mean" if features == "mean" else "last+mean" if features.startswith("hidden+mean") else "last"
 
 
-def item_states(hidden: torch.Tensor, lasts: list[int], counts: list[int], with_mean: bool) -> torch.Tensor:
-    """The head's view of each row of (B, T, H) final-norm hidden states: (B, H) at position lasts[b], and with
-    the mean (B, 2H) float64 [last, mean of the counts[b] positions up to and including lasts[b]].
+def item_states(hidden: torch.Tensor, lasts: list[int], counts: list[int], states: str = "last") -> torch.Tensor:
+    """The head's view of each row of (B, T, H) final-norm hidden states: "last" (B, H) at position lasts[b];
+    "mean" (B, H) float64, the mean of the counts[b] positions up to and including lasts[b]; "last+mean"
+    (B, 2H) float64, both side by side.
 
     Each row's mean sums one contiguous (count, H) slice in float64, the same slice, with the same shape, that
     the reference (one item, no padding) sums, so padding and batch size change none of its bits."""
+    if states not in STATES:
+        raise ValueError(f"states must be one of {', '.join(STATES)}, got {states!r}")
     rows = torch.arange(hidden.shape[0], device=hidden.device)
     last = hidden[rows, torch.as_tensor(lasts, device=hidden.device)]  # (B, H)
-    if not with_mean:
+    if states == "last":
         return last
-    means = [hidden[b, end - count + 1: end + 1].to(torch.float64).sum(dim=0) / count
-             for b, (end, count) in enumerate(zip(lasts, counts, strict=True))]
-    return torch.cat([last.to(torch.float64), torch.stack(means)], dim=1)  # (B, 2H)
+    means = torch.stack([hidden[b, end - count + 1: end + 1].to(torch.float64).sum(dim=0) / count
+                         for b, (end, count) in enumerate(zip(lasts, counts, strict=True))])  # (B, H)
+    return means if states == "mean" else torch.cat([last.to(torch.float64), means], dim=1)  # (B, 2H)
 
 
 def head_features(hidden: torch.Tensor, label_logprobs: torch.Tensor | None = None) -> torch.Tensor:

@@ -55,13 +55,13 @@ class ReferenceClassifier:
 
     @torch.inference_mode()
     def _item_states(self, ids: list[int]) -> torch.Tensor:
-        """(1, H) final-norm hidden state at the last position; with a +mean head (1, 2H): beside it the mean
-        over the item's tokens, everything after the task's prefix (head.item_states)."""
+        """The head's states of one item (head.item_states): the final-norm hidden state at the last position
+        and/or the mean over the item's tokens, everything after the task's prefix."""
         device = next(self.model.parameters()).device
         out = self.model(input_ids=torch.tensor([ids], device=device), use_cache=False, logits_to_keep=1,
                          output_hidden_states=True)
         hidden = out.hidden_states[-1]  # (1, T, H): the last layer's entry is after the final norm
-        return item_states(hidden, [len(ids) - 1], [len(ids) - len(self.prompt.prefix_ids)], self.head.uses_mean)
+        return item_states(hidden, [len(ids) - 1], [len(ids) - len(self.prompt.prefix_ids)], self.head.states)
 
     def classify_one(self, text: str) -> Prediction:
         text, truncated = self.prompt.fit_text(text)

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from slimroute.calibration import CONTENT_FREE_TEXTS
 from slimroute.head import Head, task_spec
 from slimroute.task import Task
 
@@ -48,6 +49,11 @@ class TuneConfig:
             raise ValueError(f"classifier must be one of {', '.join(CLASSIFIERS)}, got {self.classifier!r}")
 
     @property
+    def states(self) -> str:
+        """The hidden states the head reads (head.item_states)."""
+        return "last+mean" if self.with_mean else "last"
+
+    @property
     def features(self) -> str:
         """The head's feature set (head.FEATURE_SETS)."""
         return "hidden" + ("+mean" if self.with_mean else "") + ("+label-logprobs" if self.with_label_logprobs else "")
@@ -70,6 +76,7 @@ class CVReport:
     accuracy: float  # out-of-fold, of the chosen candidate
     macro_f1: float
     scores: dict  # candidate name (TuneConfig.candidates) -> out-of-fold accuracy
+    temperature: float = 1.0  # the head's logits are the classifier's divided by this (fit_temperature)
 
     @property
     def chosen(self) -> str:
@@ -125,20 +132,43 @@ def fit_head(features: np.ndarray, y: np.ndarray, config: TuneConfig) -> tuple[d
     folds = StratifiedKFold(config.folds, shuffle=True, random_state=config.seed)
     # BLAS threads as many as torch's (--threads): on a busy 2-core CPU, spare threads only spin (10x slower).
     with threadpool_limits(limits=torch.get_num_threads()):
-        oof = {name: cross_val_predict(make_pipeline(StandardScaler(), _classifier(kind, c, config)), features, y,
-                                       cv=folds)
-               for name, (kind, c) in candidates.items()}
+        logits = {name: _logits(cross_val_predict(make_pipeline(StandardScaler(), _classifier(kind, c, config)),
+                                                  features, y, cv=folds, method="decision_function"))
+                  for name, (kind, c) in candidates.items()}  # out-of-fold (N, C)
+        oof = {name: values.argmax(axis=1) for name, values in logits.items()}
         scores = {name: float(accuracy_score(y, pred)) for name, pred in oof.items()}
         best = max(candidates, key=lambda name: scores[name])  # ties: the first (stronger regularisation)
         kind, c = candidates[best]
-        report = CVReport(config.folds, kind, c, scores[best], float(f1_score(y, oof[best], average="macro")), scores)
+        temperature = fit_temperature(logits[best], y)
+        report = CVReport(config.folds, kind, c, scores[best], float(f1_score(y, oof[best], average="macro")), scores,
+                          temperature)
         scaler = StandardScaler().fit(features)
         final = _classifier(kind, c, config).fit(scaler.transform(features), y)
     weight, bias = final.coef_, final.intercept_
     if weight.shape[0] == 1:  # two labels: sklearn keeps one logit (label 1 vs 0); softmax([0, t]) = sigmoid(t)
         weight, bias = np.vstack([np.zeros_like(weight), weight]), np.concatenate([[0.0], bias])
+    weight, bias = weight / temperature, bias / temperature  # the same decisions, calibrated probabilities
     tensors = {"weight": weight, "bias": bias, "mean": scaler.mean_, "std": scaler.scale_}
     return {k: torch.tensor(np.asarray(v), dtype=torch.float64) for k, v in tensors.items()}, report
+
+
+def _logits(decision: np.ndarray) -> np.ndarray:
+    """sklearn's decision_function -> (N, C) logits; two labels give one column (label 1 vs 0)."""
+    return np.stack([np.zeros_like(decision), decision], axis=1) if decision.ndim == 1 else decision
+
+
+def fit_temperature(logits: np.ndarray, y: np.ndarray) -> float:
+    """The T > 0 that minimises the out-of-fold log-loss of softmax(logits / T) (temperature scaling, Guo et
+    al. 2017). It leaves every decision as it was and makes the probabilities honest: LDA's logits, fitted on a
+    few rows per label, run to hundreds (every answer "certain") and magnify the last bits of the hidden
+    state (fp32 kernels' 1e-5 became 6e-4 in log-prob); scaled, they mean what they say."""
+    from scipy.optimize import minimize_scalar
+    from scipy.special import log_softmax
+
+    def loss(log_t: float) -> float:
+        return float(-log_softmax(logits / np.exp(log_t), axis=1)[np.arange(len(y)), y].mean())
+
+    return float(np.exp(minimize_scalar(loss, bounds=(-5.0, 8.0), method="bounded").x))
 
 
 def _classifier(kind: str, c: float | None, config: TuneConfig):
@@ -160,7 +190,7 @@ def tune_head(engine, texts: list[str], labels: list[str], config: TuneConfig | 
     if set(classes) != set(found):
         raise ValueError(f"classes {classes} are not the labels found in the rows {found}")
     check_label_features(engine.task, classes, config.with_label_logprobs)
-    features = engine.features(texts, config.with_label_logprobs, progress, config.with_mean).numpy()  # (N, F)
+    features = engine.features(texts, config.with_label_logprobs, progress, config.states).numpy()  # (N, F)
     index = {label: j for j, label in enumerate(classes)}
     tensors, report = fit_head(features, np.array([index[label] for label in labels]), config)
     from slimroute import __version__
@@ -170,6 +200,56 @@ def tune_head(engine, texts: list[str], labels: list[str], config: TuneConfig | 
             "cv": report.to_dict(), "num_examples": len(texts), "examples_per_label": dict(sorted(Counter(labels)
             .items())), "slimroute": __version__, **(meta or {})}
     return Head(tuple(classes), **tensors, features=config.features, meta=info), report
+
+
+DESCRIPTION_SCALE = 100.0  # logits = scale x cosine similarity: sets the head's probabilities, not its decisions
+
+
+def description_task(task: Task) -> Task:
+    """The prompt a description head reads items through: the task's labels, instructions and examples, its
+    label descriptions left out (they become the prototypes instead; in the system prompt too they cost
+    accuracy: 88% against 98.5% on 200 sample tickets, int8)."""
+    check_described(task)
+    return Task(task.labels, task.instructions, task.examples)
+
+
+def description_head(engine, descriptions: dict[str, str], meta: dict | None = None,
+                     scale: float = DESCRIPTION_SCALE, centre_texts: tuple[str, ...] = CONTENT_FREE_TEXTS) -> Head:
+    """A head from label descriptions alone, no labelled rows (`slimroute tune --from-descriptions`).
+
+    engine: the model and prompt (description_task); descriptions: label -> text, for each of its task's labels.
+    Each "label: description" runs through the engine as an item; the mean of its final hidden states over its
+    tokens is the label's prototype. The content-free texts run too; their average is the centre. The head
+    scores an item by the cosine similarity between its mean state and each prototype, both taken from the
+    centre: features "mean", standardised with mean = centre and std = 1, normalised to unit length; weight
+    rows = scale x the unit vectors from the centre to the prototypes; bias 0."""
+    labels = engine.task.labels
+    missing = [label for label in labels if not descriptions.get(label)]
+    if missing:
+        raise ValueError(f"--from-descriptions needs a description for every label; {', '.join(map(repr, missing))} "
+                         "has none")
+    if not scale > 0:
+        raise ValueError(f"scale must be positive, got {scale!r}")
+    texts = [f"{label}: {descriptions[label]}" for label in labels]
+    prototypes = engine.features(texts, states="mean")  # (C, H)
+    centre = engine.features(list(centre_texts), states="mean").mean(dim=0)  # (H,)
+    directions = prototypes - centre
+    weight = scale * directions / directions.norm(dim=1, keepdim=True)
+    from slimroute import __version__
+    from slimroute.fingerprint import identity
+
+    info = {"identity": identity(engine.model, engine.tokenizer, engine.task), "task": task_spec(engine.task),
+            "from_descriptions": {"prototypes": texts, "centre_texts": list(centre_texts), "scale": scale},
+            "slimroute": __version__, **(meta or {})}
+    return Head(labels, weight, torch.zeros(len(labels), dtype=torch.float64), centre, torch.ones_like(centre),
+                features="mean", meta=info, normalize=True)
+
+
+def check_described(task: Task) -> None:
+    missing = [label for label in task.labels if not task.description(label)]
+    if missing:
+        raise ValueError(f"--from-descriptions needs a description for every label; {', '.join(map(repr, missing))} "
+                         "has none (give labels as {name, description} in the task file)")
 
 
 def check_label_features(task: Task, classes: list[str], with_label_logprobs: bool) -> None:
@@ -189,9 +269,10 @@ def head_meta(model: str, dtype: str, input) -> dict:
 
 def summary_rows(head: Head, report: CVReport, labels: list[str]) -> list[tuple[str, str]]:
     counts = Counter(labels)
+    candidates = ", ".join(f"{name} {100 * acc:.1f}%" for name, acc in report.scores.items())
     return [("rows", f"{len(labels)} ({len(counts)} labels, {min(counts.values())} to {max(counts.values())} "
                      "per label)"),
             ("features", f"{head.features} ({head.weight.shape[1]})"),
-            ("classifier", f"{report.chosen} (of {', '.join(f'{name} {100 * acc:.1f}%' for name, acc in report.scores.items())})"),
+            ("classifier", f"{report.chosen} (of {candidates})"),
             ("CV accuracy", f"{100 * report.accuracy:.1f}%"),
             ("CV macro-F1", f"{100 * report.macro_f1:.1f}%")]
