@@ -24,16 +24,57 @@ SINGLE = ("billing", "technical", "account")
 MULTI = ("Technical Support", "Technical Sales", "billing", "account")  # shared first token, different lengths
 
 
-def int8_model(arch: str):
+ONEDNN_INT8 = int8_failure("onednn")
+needs_onednn_int8 = pytest.mark.skipif(ONEDNN_INT8 is not None,
+                                       reason=f"oneDNN's int8 linear does not run here: {ONEDNN_INT8}")
+
+
+def int8_model(arch: str, kernel: str = "fbgemm"):
     model, tok = tiny_model(arch)
-    quantize_model(model, tokenizer=tok)  # with smoothing, as load_model does
+    quantize_model(model, tokenizer=tok, kernel=kernel)  # with smoothing, as load_model does
     assert set_attention(model) == "invariant"
     return model, tok
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama"])
+@pytest.fixture(scope="module", params=["qwen2", "llama", pytest.param("qwen2-onednn", marks=needs_onednn_int8)])
 def tiny_int8(request):
-    return int8_model(request.param)
+    """The tiny models in int8; qwen2-onednn: through oneDNN's int8 kernel (AMX where the CPU has it)."""
+    arch, _, kernel = request.param.partition("-")
+    return int8_model(arch, kernel or "fbgemm")
+
+
+@needs_onednn_int8
+def test_onednn_int8_kernel_gives_fbgemms_bits_for_every_batch_shape():
+    """Integers add exactly in any order: oneDNN's kernel (AMX tiles where the CPU has them) and fbgemm's give the
+    same bits, and neither depends on the rows around a row."""
+    torch.manual_seed(2)
+    linear = nn.Linear(896, 200)
+    x = torch.randn(300, 896)
+    x[:, 7] *= 40
+    fbgemm, onednn = Int8Linear.from_linear(linear), Int8Linear.from_linear(linear, kernel="onednn")
+    with torch.no_grad():
+        whole = fbgemm(x)
+        assert torch.equal(onednn(x), whole)
+        for rows in (1, 7, 32, 299):
+            assert torch.equal(onednn(x[:rows]), whole[:rows]), rows
+
+
+def test_pick_kernel_takes_onednn_only_on_amx_and_only_when_its_probe_passes(monkeypatch, caplog):
+    from slimroute import int8
+    from slimroute.cpu import CpuFeatures
+
+    amx = CpuFeatures("Intel Xeon (AMX)", frozenset("avx2 avx512f avx512_vnni amx_bf16 amx_int8".split()), "AVX512",
+                      "x86_64")
+    avx2 = CpuFeatures("AMD EPYC (Zen 3)", frozenset("avx2 fma".split()), "AVX2", "x86_64")
+    monkeypatch.setattr(int8, "_KERNEL", {})
+    monkeypatch.setattr(int8, "_onednn_problem", lambda: "")
+    assert int8.pick_kernel(avx2) == "fbgemm" and int8.pick_kernel(amx) == "onednn"
+    monkeypatch.setattr(int8, "_KERNEL", {})
+    monkeypatch.setattr(int8, "_onednn_problem", lambda: "qlinear_pointwise raised: no kernel")
+    assert int8.pick_kernel(amx) == "fbgemm"
+    assert "oneDNN's AMX kernel is not used (qlinear_pointwise raised: no kernel); fbgemm's runs instead" in caplog.text
+    with pytest.raises(ValueError, match="int8 kernel must be one of fbgemm, onednn"):
+        Int8Linear.from_linear(nn.Linear(4, 4), kernel="amx")
 
 
 def test_int8_linear_is_close_to_fp32_and_row_invariant():

@@ -285,10 +285,11 @@ def load_model(
 
     remember_fingerprint(model)  # of the checkpoint's weights, before int8 smoothing changes its norms (head.py)
     if choice.name == "int8":
-        from slimroute.int8 import int8_cache_file, quantize_model
+        from slimroute.int8 import int8_cache_file, pick_kernel, quantize_model
 
-        quantize_model(model, int8_cache_file(source), tokenizer)
-        used = "int8 (fbgemm)"
+        kernel = pick_kernel()
+        quantize_model(model, int8_cache_file(source), tokenizer, kernel)
+        used = f"int8 ({kernel})"
     else:
         used = set_linear_kernels(model, kernels)
     attn = set_attention(model, attention)
