@@ -46,3 +46,8 @@ def test_bench_runs_on_any_cpu_skips_what_it_cannot_run_and_survives_a_failing_r
     assert "int8" in record["vs_fp32"]
     table = markdown(record, "slimroute bench --quick")
     assert "skipped: --dtype bfloat16 cannot run here" in table and "**int8**" in table
+    from slimroute.peers import llama_cpp_unavailable_reason
+
+    reason = llama_cpp_unavailable_reason()
+    if reason is not None:  # the optional peer row names why it did not run
+        assert rows[("llama.cpp", "-")]["note"] == f"skipped: {reason}"

@@ -324,11 +324,11 @@ def _dtype_rows(bench: _Bench, plan: _Plan, loaded, dtype: str, first: bool, las
 def _llama_cpp_row(bench: _Bench, model: str, threads, fp32_preds) -> dict | None:
     """llama.cpp on the same tickets and threads, when llama-cpp-python is installed (the `llamacpp` extra)."""
     try:
-        from slimroute.peers import LlamaCppClassifier, llama_cpp_available
+        from slimroute.peers import LlamaCppClassifier, llama_cpp_unavailable_reason
     except ImportError:
         return None
-    reason = llama_cpp_available()
-    if reason is not True:
+    reason = llama_cpp_unavailable_reason()
+    if reason is not None:
         bench.skip("llama.cpp", "-", f"skipped: {reason}")
         return None
     from slimroute.models import PACKAGED_MODELS, fetch_packaged_gguf, physical_cores
