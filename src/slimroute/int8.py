@@ -66,7 +66,9 @@ KERNELS = ("fbgemm", "onednn")
 
 
 def _prepack_onednn(qweight: torch.Tensor, scale: torch.Tensor):
-    return torch.ops.onednn.qlinear_prepack(qweight, None), scale.float(), torch.zeros(scale.shape[0], dtype=torch.long)
+    # a copy of the scales: a tensor read from the int8 cache file keeps the whole file mapped, and its pages resident
+    return (torch.ops.onednn.qlinear_prepack(qweight, None), scale.to(torch.float32, copy=True),
+            torch.zeros(scale.shape[0], dtype=torch.long))
 
 
 def _why(exc: Exception) -> str:
