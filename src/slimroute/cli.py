@@ -553,7 +553,7 @@ def bench(
     recheck_margin: float = typer.Option(None, "--recheck-margin",
                                          help="Also run bf16 with the near-tie recheck at this margin."),
     accuracy: bool = typer.Option(False, "--accuracy", help="Accuracy rows instead: descriptions, calibration, "
-                                                            "few-shot from a file (first --dtype; default float32)."),
+                                                            "few-shot, heads (first --dtype; default auto)."),
 ):
     """The seed experiment on this CPU: baseline, reference and all techniques combined, for every dtype."""
     from slimroute.bench import markdown, run_bench, write_outputs
