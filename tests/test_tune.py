@@ -387,3 +387,20 @@ def test_tune_from_descriptions_errors_exit_2_and_write_nothing(tmp_path, labell
     assert result.exit_code == 2, result.output
     assert "error:" in result.text and message in result.text
     assert not (tmp_path / "head").exists()
+
+
+def test_the_server_answers_with_a_head_from_descriptions(tmp_path, run, model_dir):
+    """The head file carries `normalize`; the server's engine applies it as classify does."""
+    (tmp_path / "task.yaml").write_text(DESCRIBED_TASK)
+    result = run("tune", "--from-descriptions", "--task", tmp_path / "task.yaml", "--out", tmp_path / "head",
+                 "--dtype", "float32")
+    assert result.exit_code == 0, result.output
+    head = Head.load(tmp_path / "head")
+    engine = Engine.from_loaded(load_model(model_dir, "float32", 1), head.task, EngineConfig(), head)
+    texts = [row["text"] for row in banking_rows(2)]
+    offline = engine.classify(texts)
+    with live_server(create_app({"default": engine}, ServerSettings(batch=BatchSettings(max_wait_ms=0)))) as url:
+        results = httpx.post(f"{url}/v1/classify", json={"texts": texts}, timeout=30).json()["results"]
+    assert head.normalize and [item["label"] for item in results] == [p.label for p in offline]
+    for item, want in zip(results, offline, strict=True):
+        assert item["logprobs"] == pytest.approx(want.logprobs, abs=1e-4)
