@@ -132,11 +132,11 @@ def run_accuracy_bench(n=600, model="qwen2.5-coder-0.5b", dtype="auto", threads=
                           prefix, setup_s))
     plain = Task(labels)
     folds = min(5, *Counter(g for _, g in labelled).values())
-    heads = {"head from the descriptions (no labelled rows)": lambda: description_head(
-                 Engine(loaded.model, loaded.tokenizer, plain, config, loaded.max_positions), DESCRIPTIONS),
+    zero_shot = Engine.from_loaded(loaded, plain, config)
+    heads = {"head from the descriptions (no labelled rows)": lambda: description_head(zero_shot, DESCRIPTIONS),
              f"head tuned on {len(labelled)} labelled tickets": lambda: tune_head(
-                 Engine(loaded.model, loaded.tokenizer, plain, config, loaded.max_positions),
-                 [t for t, _ in labelled], [g for _, g in labelled], TuneConfig(folds=folds), list(labels))[0]}
+                 zero_shot, [t for t, _ in labelled], [g for _, g in labelled], TuneConfig(folds=folds),
+                 list(labels))[0]}
     for name, make in heads.items():
         start = time.perf_counter()
         head = make()
