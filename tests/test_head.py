@@ -21,13 +21,14 @@ HEAD_LABELS = tuple(f"intent_{i}" for i in range(12))  # more labels than the ta
 
 
 def random_head(model, tok, task: Task, labels=HEAD_LABELS, with_label_logprobs=False, seed=0,
-                features="hidden", normalize=False) -> Head:
+                features="hidden", normalize=False, layers=()) -> Head:
     """A head with random weights on features standardised as tuning would (mean/std of real features),
-    valid for this model, tokenizer and task. features: a head.FEATURE_SETS name without "+label-logprobs"."""
+    valid for this model, tokenizer and task. features: a head.FEATURE_SETS name without "+label-logprobs";
+    layers: decoder layers whose means join the features."""
     gen = torch.Generator().manual_seed(seed)
     feature_set = features + ("+label-logprobs" if with_label_logprobs else "")
     features = Engine(model, tok, task).features(texts_for(seed + 100, 24), with_label_logprobs,
-                                                 states=feature_states(feature_set))  # (N, F)
+                                                 states=feature_states(feature_set), layers=layers)  # (N, F)
     num_features = features.shape[1]
     return Head(
         labels,
@@ -38,6 +39,7 @@ def random_head(model, tok, task: Task, labels=HEAD_LABELS, with_label_logprobs=
         features=feature_set,
         meta={"identity": identity(model, tok, task), "task": task_spec(task), "model": "tiny"},
         normalize=normalize,
+        layers=layers,
     )
 
 
@@ -48,15 +50,18 @@ def texts_for(seed: int, n: int = 40) -> list[str]:
 
 @pytest.mark.parametrize("batch_size", [1, 7, 32])
 @pytest.mark.parametrize("prefix_cache", [True, False])
-@pytest.mark.parametrize("features", [*FEATURE_SETS, "mean, normalized"])
+@pytest.mark.parametrize("features", [*FEATURE_SETS, "mean, normalized", "hidden+mean, layer 1",
+                                      "hidden+label-logprobs, layer 1"])
 def test_fast_path_equals_reference_with_a_head(tiny, batch_size, prefix_cache, features):
     model, tok = tiny
     task = Task(LABEL_SETS["multi"])  # multi-token labels: their log-probs need the continuation steps
-    with_label_logprobs = features.endswith("+label-logprobs")
+    feature_set = features.split(",")[0]
+    with_label_logprobs = feature_set.endswith("+label-logprobs")
+    layers = (1,) if features.endswith("layer 1") else ()
     head = random_head(model, tok, task, with_label_logprobs=with_label_logprobs, seed=len(features),
-                       features=features.split(",")[0].removesuffix("+label-logprobs"),
-                       normalize=features.endswith("normalized"))
-    states = {"last": 1, "mean": 1, "last+mean": 2}[head.states]
+                       features=feature_set.removesuffix("+label-logprobs"),
+                       normalize=features.endswith("normalized"), layers=layers)
+    states = {"last": 1, "mean": 1, "last+mean": 2}[head.states] + len(layers)
     assert head.weight.shape[1] == model.config.hidden_size * states + (len(task.labels) if with_label_logprobs
                                                                         else 0)
     texts = texts_for(batch_size)
@@ -107,20 +112,23 @@ def test_features_are_the_reference_hidden_states(tiny, prefix_cache):
     task = Task(LABEL_SETS["shared"])
     texts = texts_for(5, 12)
     engine = Engine(model, tok, task, EngineConfig(batch_size=5, prefix_cache=prefix_cache))
-    features = engine.features(texts, with_label_logprobs=True, states="last+mean")  # (N, 2H + L)
+    features = engine.features(texts, with_label_logprobs=True, states="last+mean", layers=(1,))  # (N, 3H + L)
     ref = ReferenceClassifier(model, tok, task)
     hidden = model.config.hidden_size
-    assert features.shape == (len(texts), 2 * hidden + len(task.labels)) and features.dtype == torch.float64
+    assert features.shape == (len(texts), 3 * hidden + len(task.labels)) and features.dtype == torch.float64
     for row, text in zip(features, texts, strict=True):
         prompt_ids = ref.prompt.prefix_ids + ref.prompt.item_ids(text)
         with torch.inference_mode():
-            states = model(input_ids=torch.tensor([prompt_ids]), output_hidden_states=True).hidden_states[-1][0]
-        item = states[len(ref.prompt.prefix_ids):].double()  # (n, H): the item's tokens, not the prefix
+            every = model(input_ids=torch.tensor([prompt_ids]), output_hidden_states=True).hidden_states
+        item = every[-1][0][len(ref.prompt.prefix_ids):].double()  # (n, H): the item's tokens, not the prefix
+        layer_1 = every[1][0][len(ref.prompt.prefix_ids):].double()  # the first decoder layer's output there
         assert torch.allclose(row[:hidden], item[-1], atol=1e-5)
         assert torch.allclose(row[hidden:2 * hidden], item.mean(dim=0), atol=1e-5)
+        assert torch.allclose(row[2 * hidden:3 * hidden], layer_1.mean(dim=0), atol=1e-5)
         totals = [sum(lps) for lps in ref._label_logprobs(prompt_ids)]
-        assert torch.allclose(row[2 * hidden:], torch.tensor(totals, dtype=torch.float64), atol=1e-4)
+        assert torch.allclose(row[3 * hidden:], torch.tensor(totals, dtype=torch.float64), atol=1e-4)
     assert torch.equal(engine.features(texts, with_label_logprobs=True)[:, :hidden], features[:, :hidden])
+    assert torch.equal(engine.features(texts, states="last+mean"), features[:, :2 * hidden])
     assert torch.equal(engine.features(texts, states="mean"), features[:, hidden:2 * hidden])
     assert engine.features([]).shape[0] == 0
 
@@ -139,6 +147,10 @@ def test_head_round_trips_through_its_folder(tiny_qwen, tmp_path):
         model, tok, task, features="mean").digest
     for name in ("weight", "bias", "mean", "std"):
         assert torch.equal(getattr(loaded, name), getattr(head, name))
+    layered = random_head(model, tok, task, features="hidden+mean", layers=(1,))
+    layered.save(tmp_path / "layered")
+    assert Head.load(tmp_path / "layered").layers == (1,) and Head.load(tmp_path / "layered").digest == layered.digest
+    assert loaded.layers == () and layered.digest != random_head(model, tok, task, features="hidden+mean").digest
     assert loaded.task == task and loaded.digest == head.digest
     assert sorted(p.name for p in (tmp_path / "head").iterdir()) == ["head.json", "head.safetensors"]
 
@@ -158,6 +170,9 @@ def test_head_refuses_another_model_tokenizer_or_prompt(tiny_qwen):
         Engine(model, tok, Task(LABEL_SETS["single"], "Another instruction."), head=head)
     with pytest.raises(HeadMismatchError, match="tuned for another prompt"):
         Engine(model, tok, Task(("billing", "account", "technical")), head=head)  # the labels' order is prompt
+    too_deep = Head(head.labels, head.weight, head.bias, head.mean, head.std, head.features, head.meta, layers=(2,))
+    with pytest.raises(HeadMismatchError, match=r"reads decoder layers \[2\]; this model has 2"):
+        Engine(model, tok, task, head=too_deep)  # hidden_states[2] of a 2-layer model is the final state
 
 
 def test_identity_survives_dtype_but_not_fine_tuning(tiny_qwen):
@@ -176,6 +191,7 @@ def test_identity_survives_dtype_but_not_fine_tuning(tiny_qwen):
     (dict(labels=("a",)), "expected 2 distinct labels"),
     (dict(features="logits"), "features must be one of"),
     (dict(bias=torch.zeros(3, dtype=torch.float64)), "do not fit together"),
+    (dict(layers=(0,)), "hidden_states indices >= 1"),
 ])
 def test_bad_heads_are_refused(change, message):
     fields = dict(labels=("a", "b"), weight=torch.zeros(2, 4, dtype=torch.float64),

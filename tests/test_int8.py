@@ -186,17 +186,19 @@ def test_int8_fast_path_gives_the_int8_references_bits(tiny_int8, labels, prefix
 
 
 @pytest.mark.parametrize("prefix_cache", [True, False], ids=["prefix", "no-prefix"])
-@pytest.mark.parametrize("features", ["hidden+mean", "mean"])
+@pytest.mark.parametrize("features", ["hidden+mean", "mean", "hidden+mean, layer 1"])
 def test_int8_head_with_mean_states_gives_the_references_bits(tiny_int8, prefix_cache, features):
     """A +mean head reads every item position's final state: their float64 means are bitwise equal too (also
-    centred and scaled to unit length, as a description head)."""
+    centred and scaled to unit length, as a description head; and a decoder layer's output, as a head with
+    layers)."""
     from test_head import random_head
 
     model, tok = tiny_int8
     rng = random.Random(7 + prefix_cache)
     texts = [make_text(rng, rng.choice([1, 4, 17, 60, 130])) for _ in range(33)]
     task = Task(MULTI)
-    head = random_head(model, tok, task, seed=5, features=features, normalize=features == "mean")
+    head = random_head(model, tok, task, seed=5, features=features.split(",")[0], normalize=features == "mean",
+                       layers=(1,) if features.endswith("layer 1") else ())
     ref = ReferenceClassifier(model, tok, task, head=head).classify(texts)
     for batch_size in (1, 7, 32):
         config = EngineConfig(batch_size=batch_size, max_batch_tokens=None, prefix_cache=prefix_cache)

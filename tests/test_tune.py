@@ -23,7 +23,7 @@ from slimroute.engine import Engine
 from slimroute.head import Head
 from slimroute.models import load_model
 from slimroute.server import BatchSettings, ServerSettings, TaskSet, create_app, serve
-from slimroute.tune import TuneConfig, _logits, check_labelled, fit_head, fit_temperature
+from slimroute.tune import TuneConfig, _logits, check_labelled, fit_head, fit_temperature, fit_tuned, parse_layer
 
 BANKING77 = Path(__file__).resolve().parents[1] / "data" / "banking77" / "train.csv"
 INTENTS = ("card_arrival", "exchange_rate", "lost_or_stolen_card", "top_up_failed")
@@ -126,12 +126,13 @@ def test_a_head_tuned_in_float32_serves_int8(tmp_path, head_dir, labelled, run):
 
 
 def test_tune_with_label_log_probs_as_features(tmp_path, labelled, run):
+    """Features in order: the last state (32), the mean of decoder layer 1's output (32), the 4 label log-probs."""
     out = tmp_path / "head"
     result = run("tune", labelled, "--label-column", "intent", "--out", out, "--folds", "3", "--with-label-logprobs",
-                 "--states", "last", "--classifier", "logistic")
+                 "--states", "last", "--classifier", "logistic", "--layer", "1")
     assert result.exit_code == 0, result.output
     head = Head.load(out)
-    assert head.features == "hidden+label-logprobs" and head.weight.shape == (4, 32 + 4)
+    assert head.features == "hidden+label-logprobs" and head.weight.shape == (4, 32 + 32 + 4) and head.layers == (1,)
     assert json.loads((out / "head.json").read_text())["cv"]["classifier"] == "logistic"
     result = run("verify", labelled, "--head", out, "--limit", "6")  # the reference scores each label's tokens
     assert result.exit_code == 0 and "label agreement 100.00%" in result.text
@@ -296,8 +297,49 @@ def test_auto_picks_the_best_cross_validated_candidate():
     y = np.repeat(np.arange(num_classes), 8)
     x = centres[y] + rng.normal(size=(len(y), dims)) @ rng.normal(size=(dims, dims)) * 0.3
     _, report = fit_head(x, y, TuneConfig(folds=4))
-    assert set(report.scores) == {"logistic C=0.01", "logistic C=0.1", "logistic C=1", "lda"}
+    assert set(report.scores) == {"logistic C=0.01", "logistic C=0.03", "logistic C=0.1", "logistic C=0.3",
+                                  "logistic C=1", "lda"}
     assert report.accuracy == max(report.scores.values()) and report.chosen in report.scores
+
+
+def test_layer_options_and_their_names():
+    assert TuneConfig().layer_options(24) == [(), (6,), (12,), (18,)]  # a quarter, half, three quarters up
+    assert TuneConfig().layer_options(2) == [(), (1,)]  # hidden_states[2] of 2 layers is the final state itself
+    assert TuneConfig(layer=None).layer_options(24) == [()] and TuneConfig(layer=3).layer_options(24) == [(3,)]
+    with pytest.raises(ValueError, match="layer 24: the model has 24 decoder layers; give 1 to 23"):
+        TuneConfig(layer=24).layer_options(24)
+    with pytest.raises(ValueError, match="layer must be 'auto', None or a decoder layer number"):
+        TuneConfig(layer=0)
+    assert [parse_layer(t) for t in ("auto", "none", "7")] == ["auto", None, 7]
+    for bad in ("0", "-1", "middle"):
+        with pytest.raises(ValueError, match="--layer must be auto, none or a decoder layer number"):
+            parse_layer(bad)
+
+
+@pytest.mark.parametrize("informative", ["final", "layer 2"])
+def test_the_layer_option_is_chosen_by_cross_validation(informative):
+    """Features laid out as tune_head gets them: final states (H), the means of layers 1 and 2 (H each), then
+    2 label log-probs. The class signal sits in one block; the LDA pass picks the option holding it (the
+    final states alone when they carry it: ties go to fewer features), and the head reads exactly its columns."""
+    rng = np.random.default_rng(3)
+    hidden, num_classes = 12, 4
+    y = np.repeat(np.arange(num_classes), 10)
+    blocks = [rng.normal(size=(len(y), hidden)) for _ in range(3)] + [rng.normal(size=(len(y), 2))]
+    signal = {"final": 0, "layer 2": 2}[informative]
+    blocks[signal] += 3 * rng.normal(size=(num_classes, hidden))[y]
+    features = np.concatenate(blocks, axis=1)
+    config = TuneConfig(folds=4, with_mean=False, with_label_logprobs=True)
+    tensors, report = fit_tuned(features, y, config, [(), (1,), (2,)], hidden)
+    assert set(report.layer_scores) == {"final states", "+ layer 1", "+ layer 2"}
+    assert report.layers == {"final": (), "layer 2": (2,)}[informative]
+    width = hidden * (1 + len(report.layers)) + 2
+    assert tensors["weight"].shape == (num_classes, width)
+    picked = np.concatenate([blocks[0], *([blocks[2]] if report.layers else []), blocks[3]], axis=1)
+    assert np.allclose(tensors["mean"].numpy(), picked.mean(axis=0))  # the head was fitted on those columns
+    only_1 = np.concatenate([blocks[0], blocks[1], blocks[3]], axis=1)  # the features hold the options' layers only
+    alone, single = fit_tuned(only_1, y, config, [(1,)], hidden)
+    assert single.layers == (1,) and single.layer_scores == {}  # one option: nothing to choose, no LDA pass
+    assert alone["weight"].shape == (num_classes, 2 * hidden + 2)
 
 
 def test_check_labelled_names_the_problem():

@@ -420,6 +420,10 @@ def tune(
                                     "(also their mean over the item's tokens; same forward pass)."),
     classifier: str = typer.Option("auto", "--classifier",
                                    help="auto (the best in cross-validation), logistic or lda."),
+    layer: str = typer.Option("auto", "--layer",
+                              help="Also use the mean of one decoder layer's output over the item's tokens: auto "
+                                   "(none, or the layer a quarter, half or three quarters up, by cross-validation), "
+                                   "none, or a layer number. Same forward pass."),
     folds: int = typer.Option(5, "--folds", help="Cross-validation folds (each label needs this many rows)."),
     from_descriptions: bool = typer.Option(False, "--from-descriptions",
                                            help="No labelled rows: build the head from the label descriptions of "
@@ -449,7 +453,8 @@ def tune(
         if states not in ("last", "last+mean"):
             raise ValueError(f"--states must be 'last' or 'last+mean', got {states!r}")
         config = tuning.TuneConfig(folds=folds, with_label_logprobs=with_label_logprobs,
-                                   with_mean=states == "last+mean", classifier=classifier)
+                                   with_mean=states == "last+mean", classifier=classifier,
+                                   layer=tuning.parse_layer(layer))
         texts, golds = tuning.labelled_rows(read_input(input, text_column, "id", label_column, limit), label_column)
         classes = tuning.check_labelled(texts, golds, config.folds)
         the_task = (build_task(labels, instructions, task) if labels or task

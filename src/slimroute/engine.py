@@ -155,17 +155,17 @@ class Engine:
 
     @torch.inference_mode()
     def features(self, texts: list[str], with_label_logprobs: bool = False, progress=None,
-                 states: str = "last") -> torch.Tensor:
+                 states: str = "last", layers: tuple[int, ...] = ()) -> torch.Tensor:
         """(N, F) float64 inputs of a head, in input order: each item's hidden states (head.item_states: the last
-        one (H), the mean over its tokens (H), or both (2H)), then, if asked, each task label's log-prob (L).
-        The same batches and forward passes as classify."""
+        one (H), the mean over its tokens (H), or both (2H)), the mean of each of `layers` (decoder layer outputs,
+        H each), then, if asked, each task label's log-prob (L). The same batches and forward passes as classify."""
         item_ids, _ = self.encode(texts)
         lengths = [len(ids) for ids in item_ids]
         rows: list[torch.Tensor | None] = [None] * len(texts)
         cfg = self.config
         for batch in plan_batches(lengths, cfg.batch_size, cfg.max_batch_tokens, cfg.sort, cfg.max_padding,
                                   cfg.batch_overhead_tokens):
-            last, views, state = self._forward([item_ids[i] for i in batch], states)  # (B, H), (B, H or 2H)
+            last, views, state = self._forward([item_ids[i] for i in batch], states, layers)  # (B, H), (B, F')
             label_lps = label_totals(self._label_logprobs(last, *state)) if with_label_logprobs else None
             for i, row in zip(batch, head_features(views, label_lps), strict=True):  # (B, F)
                 rows[i] = row
@@ -178,16 +178,17 @@ class Engine:
 
     def _score_batch(self, seqs: list[list[int]]) -> list[list[list[float]]]:
         """token_logprobs[row][label][k] for one batch; with a head, its log-probs (one step per head label)."""
-        last, states, state = self._forward(seqs, self.head.states if self.head is not None else "last")
+        head = self.head
+        last, states, state = self._forward(seqs, head.states if head else "last", head.layers if head else ())
         if self.head is not None:
             label_lps = self._label_logprobs(last, *state) if self.head.uses_label_logprobs else None
             return self.head.token_logprobs(states, label_lps)
         return self._label_logprobs(last, *state)
 
-    def _forward(self, seqs: list[list[int]], states: str = "last"):
+    def _forward(self, seqs: list[list[int]], states: str = "last", layers: tuple[int, ...] = ()):
         """One pass over a right-padded batch behind the prefix: the final-norm hidden state at each item's
         last real token (B, H), the head's item states (head.item_states: that, the mean over the item's
-        tokens, or both) and (cache, mask, ends) for the label scorer."""
+        tokens, or both, then the means of `layers`) and (cache, mask, ends) for the label scorer."""
         input_ids, item_mask, lengths = pad_right(seqs, self.pad_id)  # (B, L), (B, L), (B,)
         input_ids, item_mask, lengths = input_ids.to(self.device), item_mask.to(self.device), lengths.to(self.device)
         batch, width = input_ids.shape
@@ -198,14 +199,15 @@ class Engine:
         positions = offset + torch.arange(width, device=self.device).expand(batch, -1)  # (B, L)
         out = self.model.base_model(
             input_ids=input_ids, attention_mask=mask, position_ids=positions,
-            cache=cache, use_cache=True,
+            cache=cache, use_cache=True, output_hidden_states=bool(layers),
         )
         last = out.last_hidden_state[torch.arange(batch, device=self.device), lengths - 1]  # (B, H)
         views = last
-        if states != "last":  # the item's own tokens: without the prefix, whether it is cached or part of the sequence
+        if states != "last" or layers:  # the item's own tokens: without the prefix, cached or part of the sequence
             skip = 0 if self.prefix else len(self.prompt.prefix_ids)
             ends = [len(seq) - 1 for seq in seqs]
-            views = item_states(out.last_hidden_state, ends, [len(seq) - skip for seq in seqs], states)
+            views = item_states(out.last_hidden_state, ends, [len(seq) - skip for seq in seqs], states,
+                                tuple(out.hidden_states[k] for k in layers))
         return last, views, (cache, mask, lengths + offset)
 
     def _label_logprobs(self, last, cache, mask, ends) -> list[list[list[float]]]:

@@ -52,13 +52,13 @@ class SlimRouteClassifier(ClassifierMixin, BaseEstimator):
 
     model: packaged name, HF repo id, model folder or .gguf file. mode: "head" (the only mode of this
     build). instructions: the prompt's instructions (labels are the classes seen in fit). folds, cs,
-    with_label_logprobs, with_mean, classifier: as in `slimroute tune` (TuneConfig). batch_size, max_batch_tokens:
-    the engine's."""
+    with_label_logprobs, with_mean, classifier, layer: as in `slimroute tune` (TuneConfig). batch_size,
+    max_batch_tokens: the engine's."""
 
     def __init__(self, model: str = DEFAULT_MODEL, *, mode: str = "head", instructions: str | None = None,
                  dtype: str = "auto", threads: int | None = None, device: str = "cpu",
                  with_label_logprobs: bool = False, with_mean: bool = True, classifier: str = "auto",
-                 folds: int = 5, cs: tuple[float, ...] = DEFAULT_CS,
+                 layer: int | str | None = "auto", folds: int = 5, cs: tuple[float, ...] = DEFAULT_CS,
                  batch_size: int = 32, max_batch_tokens: int | None = 512):
         self.model = model
         self.mode = mode
@@ -69,6 +69,7 @@ class SlimRouteClassifier(ClassifierMixin, BaseEstimator):
         self.with_label_logprobs = with_label_logprobs
         self.with_mean = with_mean
         self.classifier = classifier
+        self.layer = layer
         self.folds = folds
         self.cs = cs
         self.batch_size = batch_size
@@ -94,7 +95,7 @@ class SlimRouteClassifier(ClassifierMixin, BaseEstimator):
         if len(set(names)) != len(names):
             raise ValueError(f"the classes {list(classes)} are not distinct as strings")
         config = TuneConfig(folds=self.folds, cs=tuple(self.cs), with_label_logprobs=self.with_label_logprobs,
-                            with_mean=self.with_mean, classifier=self.classifier)
+                            with_mean=self.with_mean, classifier=self.classifier, layer=self.layer)
         task = Task(tuple(names), self.instructions or DEFAULT_INSTRUCTIONS)
         loaded = self._loaded()
         engine = Engine.from_loaded(loaded, task, self._engine_config())

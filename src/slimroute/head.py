@@ -3,7 +3,10 @@
 The features come from the forward pass the label scorer already makes, so a head costs no extra pass:
 the final-norm hidden state at the item's last token ("hidden"), optionally beside the mean of the
 final-norm hidden states over the item's own tokens (the text and its chat-template turn, not the shared
-prefix: "+mean"), and the task labels' exact log-probs ("+label-logprobs"). The mean is taken in float64
+prefix: "+mean"), optionally the mean over the item's tokens of the output of one or more decoder layers in
+the middle of the model (`layers`, hidden_states indices: a layer a quarter of the way up often separates
+intents better than the last one; tune.py picks it by cross-validation), and the task labels' exact log-probs
+("+label-logprobs"). The mean is taken in float64
 over the same contiguous (tokens, H) slice in the fast path and the reference, so it adds no rounding of
 its own between them. They are standardised with the training mean/std, then softmax(W z + b) over the
 head's labels decides; both the fast path and the reference apply this same head, so `verify` compares the
@@ -57,11 +60,15 @@ class Head:
     features: str = "hidden"
     meta: dict = field(default_factory=dict)  # identity, task, cv, version, command (see module docstring)
     normalize: bool = False  # scale each standardised feature row to unit length first (a description head)
+    layers: tuple[int, ...] = ()  # decoder layers (hidden_states indices) whose item-token means follow the states
 
     def __post_init__(self):
         for name in ("weight", "bias", "mean", "std"):  # float64 on the CPU: the head's own rounding stays negligible
             object.__setattr__(self, name, torch.as_tensor(getattr(self, name)).to("cpu", torch.float64))
         object.__setattr__(self, "labels", tuple(self.labels))
+        object.__setattr__(self, "layers", tuple(int(k) for k in self.layers))
+        if any(k < 1 for k in self.layers):
+            raise ValueError(f"layers are decoder layer outputs (hidden_states indices >= 1), got {list(self.layers)}")
         if self.features not in FEATURE_SETS:
             raise ValueError(f"features must be one of {', '.join(FEATURE_SETS)}, got {self.features!r}")
         num_classes, num_features = self.weight.shape
@@ -95,8 +102,8 @@ class Head:
         return Task(tuple(spec["labels"]), spec["instructions"], examples, **described)
 
     def logprobs(self, hidden: torch.Tensor, label_logprobs: torch.Tensor | None = None) -> torch.Tensor:
-        """(N, H) or, with +mean, (N, 2H) item states (item_states) [+ (N, L) label log-probs] -> (N, C) float64
-        log-probs over the head's labels."""
+        """(N, H) or, with +mean, (N, 2H) item states (item_states, with the means of `layers` after them)
+        [+ (N, L) label log-probs] -> (N, C) float64 log-probs over the head's labels."""
         z = (head_features(hidden, label_logprobs) - self.mean) / self.std  # (N, F)
         if self.normalize:  # row by row: W z is then a cosine similarity, times the length of W's rows
             z = z / z.norm(dim=1, keepdim=True).clamp_min(torch.finfo(z.dtype).tiny)
@@ -113,6 +120,9 @@ class Head:
     def check(self, model, tokenizer, task: Task) -> None:
         """Raise HeadMismatchError unless the model, tokenizer and prompt are the ones the head was tuned with."""
         check_identity(self.meta.get("identity", {}), identity(model, tokenizer, task), self.meta.get("model"))
+        depth = getattr(model.config, "num_hidden_layers", None)
+        if depth is not None and any(k >= depth for k in self.layers):
+            raise HeadMismatchError(f"the head reads decoder layers {list(self.layers)}; this model has {depth}")
         if self.uses_label_logprobs and len(task.labels) != self.num_label_features:
             raise HeadMismatchError(f"the head uses {self.num_label_features} label log-probs as features; "
                                     f"the task has {len(task.labels)} labels")
@@ -120,7 +130,7 @@ class Head:
     @property
     def digest(self) -> str:
         """A short hash of the whole head (tensors and metadata), for a job's resume fingerprint."""
-        digest = hashlib.sha256(json.dumps([self.labels, self.features, self.meta, self.normalize],
+        digest = hashlib.sha256(json.dumps([self.labels, self.features, self.meta, self.normalize, self.layers],
                                            sort_keys=True).encode())
         for tensor in (self.weight, self.bias, self.mean, self.std):
             digest.update(tensor.to(torch.float64).contiguous().numpy().tobytes())
@@ -142,7 +152,7 @@ class Head:
             tensors = {"weight": self.weight, "bias": self.bias, "mean": self.mean, "std": self.std}
             save_file({k: v.to(torch.float64).contiguous() for k, v in tensors.items()}, str(tmp / WEIGHTS))
             meta = {"format": FORMAT, "version": FORMAT_VERSION, "labels": list(self.labels),
-                    "features": self.features, "normalize": self.normalize, **self.meta}
+                    "features": self.features, "normalize": self.normalize, "layers": list(self.layers), **self.meta}
             (tmp / META).write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
             umask = os.umask(0)
             os.umask(umask)
@@ -177,7 +187,7 @@ class Head:
         meta = {k: v for k, v in meta.items() if k not in ("format", "version")}
         labels, features, normalize = tuple(meta.pop("labels")), meta.pop("features"), meta.pop("normalize", False)
         return cls(labels, tensors["weight"], tensors["bias"], tensors["mean"], tensors["std"], features, meta,
-                   bool(normalize))
+                   bool(normalize), tuple(meta.pop("layers", ())))
 
 
 def check_out(folder: Path, overwrite: bool = False) -> None:
@@ -196,10 +206,12 @@ def feature_states(features: str) -> str:
     return "mean" if features == "mean" else "last+mean" if features.startswith("hidden+mean") else "last"
 
 
-def item_states(hidden: torch.Tensor, lasts: list[int], counts: list[int], states: str = "last") -> torch.Tensor:
+def item_states(hidden: torch.Tensor, lasts: list[int], counts: list[int], states: str = "last",
+                layer_hidden: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
     """The head's view of each row of (B, T, H) final-norm hidden states: "last" (B, H) at position lasts[b];
     "mean" (B, H) float64, the mean of the counts[b] positions up to and including lasts[b]; "last+mean"
-    (B, 2H) float64, both side by side.
+    (B, 2H) float64, both side by side. Each of layer_hidden (B, T, H), a decoder layer's output (Head.layers),
+    adds its mean over the same positions (float64) after them.
 
     Each row's mean sums one contiguous (count, H) slice in float64, the same slice, with the same shape, that
     the reference (one item, no padding) sums, so padding and batch size change none of its bits."""
@@ -207,11 +219,16 @@ def item_states(hidden: torch.Tensor, lasts: list[int], counts: list[int], state
         raise ValueError(f"states must be one of {', '.join(STATES)}, got {states!r}")
     rows = torch.arange(hidden.shape[0], device=hidden.device)
     last = hidden[rows, torch.as_tensor(lasts, device=hidden.device)]  # (B, H)
+    extra = [_means(h, lasts, counts) for h in layer_hidden]  # each (B, H)
     if states == "last":
-        return last
-    means = torch.stack([hidden[b, end - count + 1: end + 1].to(torch.float64).sum(dim=0) / count
-                         for b, (end, count) in enumerate(zip(lasts, counts, strict=True))])  # (B, H)
-    return means if states == "mean" else torch.cat([last.to(torch.float64), means], dim=1)  # (B, 2H)
+        return torch.cat([last.to(torch.float64), *extra], dim=1) if extra else last
+    means = _means(hidden, lasts, counts)  # (B, H)
+    return torch.cat(([] if states == "mean" else [last.to(torch.float64)]) + [means, *extra], dim=1)
+
+
+def _means(hidden: torch.Tensor, lasts: list[int], counts: list[int]) -> torch.Tensor:
+    return torch.stack([hidden[b, end - count + 1: end + 1].to(torch.float64).sum(dim=0) / count
+                        for b, (end, count) in enumerate(zip(lasts, counts, strict=True))])  # (B, H)
 
 
 def head_features(hidden: torch.Tensor, label_logprobs: torch.Tensor | None = None) -> torch.Tensor:

@@ -3,8 +3,8 @@
 For every context the decision needs (the prompt, then the prompt plus each proper prefix of
 a multi-token label) it runs the whole model over the whole sequence and takes the full-vocabulary
 log-softmax at the last position. With a tuned head it runs the whole prompt once more for the
-final-norm hidden state at the last position (and, for a +mean head, their mean over the item's tokens)
-and applies the head to it. Calibration offsets, when
+final-norm hidden state at the last position (and, for a +mean head, their mean over the item's tokens; for a
+head with `layers`, those decoder layers' means too) and applies the head to it. Calibration offsets, when
 set, are subtracted from the label log-probs before the decision (never with a head). Every fast path is tested
 against this.
 """
@@ -61,7 +61,8 @@ class ReferenceClassifier:
         out = self.model(input_ids=torch.tensor([ids], device=device), use_cache=False, logits_to_keep=1,
                          output_hidden_states=True)
         hidden = out.hidden_states[-1]  # (1, T, H): the last layer's entry is after the final norm
-        return item_states(hidden, [len(ids) - 1], [len(ids) - len(self.prompt.prefix_ids)], self.head.states)
+        return item_states(hidden, [len(ids) - 1], [len(ids) - len(self.prompt.prefix_ids)], self.head.states,
+                           tuple(out.hidden_states[k] for k in self.head.layers))
 
     def classify_one(self, text: str) -> Prediction:
         text, truncated = self.prompt.fit_text(text)

@@ -9,6 +9,12 @@ logistic regression with a handful of rows per label: BANKING77 at 8 per intent)
 out-of-fold accuracy is refitted on all rows; its out-of-fold accuracy and macro-F1 are reported (slightly
 optimistic: the candidate is chosen on those same folds). Both are linear with softmax probabilities
 (multiclass LDA's predict_proba is the softmax of its decision function), so either becomes the same head.
+
+Layers (`layer="auto"`, the default): the features may also hold the mean over the item's tokens of one decoder
+layer's output from the middle of the model, read in the same forward pass. The candidates (none, and the layers
+a quarter, half and three quarters of the way up) are scored first, each with the cheap LDA under the same
+folds; the best (ties: fewer features) then goes through the classifier search above. On BANKING77 the layer a
+quarter of the way up, beside the final states, added 3-5 points at 8 examples per intent.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from __future__ import annotations
 import shlex
 import sys
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import torch
@@ -25,8 +31,9 @@ from slimroute.calibration import CONTENT_FREE_TEXTS
 from slimroute.head import Head, task_spec
 from slimroute.task import Task
 
-DEFAULT_CS = (0.01, 0.1, 1.0)
+DEFAULT_CS = (0.01, 0.03, 0.1, 0.3, 1.0)
 CLASSIFIERS = ("auto", "logistic", "lda")  # auto: whichever scores best in cross-validation
+LAYER_DEPTHS = (0.25, 0.5, 0.75)  # where layer="auto" looks, as fractions of the model's depth
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,7 @@ class TuneConfig:
     with_label_logprobs: bool = False  # add the task labels' log-probs to the hidden state as features
     with_mean: bool = True  # add the mean of the item's hidden states to its last one (head.item_states)
     classifier: str = "auto"  # one of CLASSIFIERS
+    layer: int | str | None = "auto"  # a decoder layer whose mean joins the features: "auto" (by CV), None, or k
     max_iter: int = 2000
     seed: int = 0
 
@@ -47,6 +55,19 @@ class TuneConfig:
         object.__setattr__(self, "cs", tuple(float(c) for c in self.cs))
         if self.classifier not in CLASSIFIERS:
             raise ValueError(f"classifier must be one of {', '.join(CLASSIFIERS)}, got {self.classifier!r}")
+        if not (self.layer in ("auto", None) or (isinstance(self.layer, int) and self.layer >= 1)):
+            raise ValueError(f"layer must be 'auto', None or a decoder layer number >= 1, got {self.layer!r}")
+
+    def layer_options(self, depth: int) -> list[tuple[int, ...]]:
+        """The layer sets tried, in the order ties are broken: () is the final states alone. depth: the model's
+        number of decoder layers (a layer must be below it: the last one's output is the final state)."""
+        if self.layer is None:
+            return [()]
+        if self.layer != "auto":
+            if self.layer >= depth:
+                raise ValueError(f"layer {self.layer}: the model has {depth} decoder layers; give 1 to {depth - 1}")
+            return [(self.layer,)]
+        return [()] + [(k,) for k in sorted({max(1, round(depth * f)) for f in LAYER_DEPTHS}) if k < depth]
 
     @property
     def states(self) -> str:
@@ -77,6 +98,8 @@ class CVReport:
     macro_f1: float
     scores: dict  # candidate name (TuneConfig.candidates) -> out-of-fold accuracy
     temperature: float = 1.0  # the head's logits are the classifier's divided by this (fit_temperature)
+    layers: tuple[int, ...] = ()  # the decoder layers whose means joined the features
+    layer_scores: dict = field(default_factory=dict)  # layer option name -> out-of-fold accuracy with LDA
 
     @property
     def chosen(self) -> str:
@@ -122,21 +145,15 @@ def check_labelled(texts: list[str], labels: list[str], folds: int) -> list[str]
 
 def fit_head(features: np.ndarray, y: np.ndarray, config: TuneConfig) -> tuple[dict, CVReport]:
     """features (N, F), y (N,) ints 0..C-1 -> the head's tensors (on standardised features) and its CV report."""
-    from sklearn.metrics import accuracy_score, f1_score
-    from sklearn.model_selection import StratifiedKFold, cross_val_predict
-    from sklearn.pipeline import make_pipeline
+    from sklearn.metrics import f1_score
     from sklearn.preprocessing import StandardScaler
     from threadpoolctl import threadpool_limits
 
     candidates = config.candidates()
-    folds = StratifiedKFold(config.folds, shuffle=True, random_state=config.seed)
+    scores, logits = _cv_scores(features, y, config)
+    oof = {name: values.argmax(axis=1) for name, values in logits.items()}
     # BLAS threads as many as torch's (--threads): on a busy 2-core CPU, spare threads only spin (10x slower).
     with threadpool_limits(limits=torch.get_num_threads()):
-        logits = {name: _logits(cross_val_predict(make_pipeline(StandardScaler(), _classifier(kind, c, config)),
-                                                  features, y, cv=folds, method="decision_function"))
-                  for name, (kind, c) in candidates.items()}  # out-of-fold (N, C)
-        oof = {name: values.argmax(axis=1) for name, values in logits.items()}
-        scores = {name: float(accuracy_score(y, pred)) for name, pred in oof.items()}
         best = max(candidates, key=lambda name: scores[name])  # ties: the first (stronger regularisation)
         kind, c = candidates[best]
         temperature = fit_temperature(logits[best], y)
@@ -150,6 +167,22 @@ def fit_head(features: np.ndarray, y: np.ndarray, config: TuneConfig) -> tuple[d
     weight, bias = weight / temperature, bias / temperature  # the same decisions, calibrated probabilities
     tensors = {"weight": weight, "bias": bias, "mean": scaler.mean_, "std": scaler.scale_}
     return {k: torch.tensor(np.asarray(v), dtype=torch.float64) for k, v in tensors.items()}, report
+
+
+def _cv_scores(features: np.ndarray, y: np.ndarray, config: TuneConfig) -> tuple[dict, dict]:
+    """Each candidate's out-of-fold accuracy and (N, C) logits, under the config's stratified folds."""
+    from sklearn.metrics import accuracy_score
+    from sklearn.model_selection import StratifiedKFold, cross_val_predict
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+    from threadpoolctl import threadpool_limits
+
+    folds = StratifiedKFold(config.folds, shuffle=True, random_state=config.seed)
+    with threadpool_limits(limits=torch.get_num_threads()):
+        logits = {name: _logits(cross_val_predict(make_pipeline(StandardScaler(), _classifier(kind, c, config)),
+                                                  features, y, cv=folds, method="decision_function"))
+                  for name, (kind, c) in config.candidates().items()}  # out-of-fold (N, C)
+    return {name: float(accuracy_score(y, values.argmax(axis=1))) for name, values in logits.items()}, logits
 
 
 def _logits(decision: np.ndarray) -> np.ndarray:
@@ -190,16 +223,52 @@ def tune_head(engine, texts: list[str], labels: list[str], config: TuneConfig | 
     if set(classes) != set(found):
         raise ValueError(f"classes {classes} are not the labels found in the rows {found}")
     check_label_features(engine.task, classes, config.with_label_logprobs)
-    features = engine.features(texts, config.with_label_logprobs, progress, config.states).numpy()  # (N, F)
+    options = config.layer_options(int(engine.model.config.num_hidden_layers))
+    layers = tuple(sorted({k for option in options for k in option}))
+    features = engine.features(texts, config.with_label_logprobs, progress, config.states, layers).numpy()  # (N, F)
     index = {label: j for j, label in enumerate(classes)}
-    tensors, report = fit_head(features, np.array([index[label] for label in labels]), config)
+    tensors, report = fit_tuned(features, np.array([index[label] for label in labels]), config, options,
+                                int(engine.model.config.hidden_size))
     from slimroute import __version__
     from slimroute.fingerprint import identity
 
     info = {"identity": identity(engine.model, engine.tokenizer, engine.task), "task": task_spec(engine.task),
             "cv": report.to_dict(), "num_examples": len(texts), "examples_per_label": dict(sorted(Counter(labels)
             .items())), "slimroute": __version__, **(meta or {})}
-    return Head(tuple(classes), **tensors, features=config.features, meta=info), report
+    return Head(tuple(classes), **tensors, features=config.features, meta=info, layers=report.layers), report
+
+
+def parse_layer(text: str) -> int | str | None:
+    """--layer: "auto", "none" or a decoder layer number."""
+    if text in ("auto", "none"):
+        return None if text == "none" else text
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"--layer must be auto, none or a decoder layer number >= 1, got {text!r}")
+    return int(text)
+
+
+def layer_name(option: tuple[int, ...]) -> str:
+    return "final states" if not option else "+ layer " + ", ".join(map(str, option))
+
+
+def fit_tuned(features: np.ndarray, y: np.ndarray, config: TuneConfig, options: list[tuple[int, ...]],
+              hidden: int) -> tuple[dict, CVReport]:
+    """fit_head after choosing the layer option. features (N, F): the final states (config.states), then the
+    mean of each layer in sorted(union of options), H each, then the label log-probs if the config has them."""
+    layers = sorted({k for option in options for k in option})
+    width = hidden * (2 if config.with_mean else 1)
+
+    def columns(option: tuple[int, ...]) -> np.ndarray:
+        picked = [np.arange(width)] + [width + hidden * layers.index(k) + np.arange(hidden) for k in option]
+        return np.concatenate(picked + [np.arange(width + hidden * len(layers), features.shape[1])])
+
+    scores = {}
+    if len(options) > 1:
+        lda = replace(config, classifier="lda")
+        scores = {layer_name(option): _cv_scores(features[:, columns(option)], y, lda)[0]["lda"] for option in options}
+    best = max(options, key=lambda option: scores.get(layer_name(option), 0.0))  # ties: the first (fewer features)
+    tensors, report = fit_head(features[:, columns(best)], y, config)
+    return tensors, replace(report, layers=best, layer_scores=scores)
 
 
 DESCRIPTION_SCALE = 100.0  # logits = scale x cosine similarity: sets the head's probabilities, not its decisions
@@ -267,9 +336,13 @@ def head_meta(model: str, dtype: str, input) -> dict:
 def summary_rows(head: Head, report: CVReport, labels: list[str]) -> list[tuple[str, str]]:
     counts = Counter(labels)
     candidates = ", ".join(f"{name} {100 * acc:.1f}%" for name, acc in report.scores.items())
+    layers = f" + mean of layer {', '.join(map(str, head.layers))}" if head.layers else ""
+    if report.layer_scores:
+        tried = ", ".join(f"{name} {100 * acc:.1f}%" for name, acc in report.layer_scores.items())
+        layers += f" (LDA CV: {tried})"
     return [("rows", f"{len(labels)} ({len(counts)} labels, {min(counts.values())} to {max(counts.values())} "
                      "per label)"),
-            ("features", f"{head.features} ({head.weight.shape[1]})"),
+            ("features", f"{head.features}{layers} ({head.weight.shape[1]})"),
             ("classifier", f"{report.chosen} (of {candidates})"),
             ("CV accuracy", f"{100 * report.accuracy:.1f}%"),
             ("CV macro-F1", f"{100 * report.macro_f1:.1f}%")]
