@@ -1,6 +1,7 @@
 """BANKING77 accuracy of a tuned head, and what the head costs in items/s against plain zero-shot.
 
-Tunes heads (tune.py: the engine's last hidden states, cross-validated logistic regression) on
+Tunes heads (tune.py: the engine's final hidden states and, by cross-validation, the mean of a middle layer's
+output; cross-validated logistic regression or shrinkage LDA) on
 `split=train` rows of data/banking77/train.csv and evaluates them on the held-out `split=valid` rows
 (1,001), once per --per-intent size: the first N rows of each intent in file order (every intent has at
 least 32 train rows, so N <= 32 is balanced; 0: every train row). Then times `Engine.classify` with the
@@ -24,6 +25,7 @@ import shlex
 import sys
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +38,7 @@ from slimroute.fingerprint import identity
 from slimroute.head import Head
 from slimroute.models import load_model
 from slimroute.task import Task
-from slimroute.tune import TuneConfig, fit_head
+from slimroute.tune import TuneConfig, fit_tuned, parse_layer
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data" / "banking77" / "train.csv"
@@ -63,13 +65,14 @@ def first_per_label(labels: list[str], n: int) -> list[int]:
     return [i for k in sorted(rounds) for i in rounds[k]]
 
 
-def cached_features(engine: Engine, texts: list[str], folder: Path, log, with_mean: bool,
+def cached_features(engine: Engine, texts: list[str], folder: Path, log, with_mean: bool, layers: tuple[int, ...],
                     chunk: int = 256) -> tuple[torch.Tensor, float | None]:
     """(N, H) features and the extraction rate in items/s (None when every row came from the cache).
 
     The cache (one file per model identity and task) maps text -> features and is saved after every chunk,
     so an interrupted run, or a later one with more rows per intent, only extracts what is missing."""
-    key = json.dumps(identity(engine.model, engine.tokenizer, engine.task)) + ("+mean" if with_mean else "")
+    key = (json.dumps(identity(engine.model, engine.tokenizer, engine.task)) + ("+mean" if with_mean else "")
+           + (f"+layers{list(layers)}" if layers else ""))
     path = folder / f"features-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
     cache: dict[str, torch.Tensor] = torch.load(path) if path.is_file() else {}
     missing = list(dict.fromkeys(t for t in texts if t not in cache))
@@ -77,12 +80,20 @@ def cached_features(engine: Engine, texts: list[str], folder: Path, log, with_me
     start, rate = time.perf_counter(), None
     for i in range(0, len(missing), chunk):
         part = missing[i: i + chunk]
-        cache.update(zip(part, engine.features(part, states="last+mean" if with_mean else "last"), strict=True))
+        states = "last+mean" if with_mean else "last"
+        cache.update(zip(part, engine.features(part, states=states, layers=layers), strict=True))
         folder.mkdir(parents=True, exist_ok=True)
         torch.save(cache, path)
         rate = (i + len(part)) / (time.perf_counter() - start)
         log(f"  {i + len(part)}/{len(missing)} rows extracted, {rate:.2f} items/s")
     return torch.stack([cache[t] for t in texts]), rate
+
+
+def head_columns(features: torch.Tensor, head: Head, layers: tuple[int, ...], hidden: int) -> torch.Tensor:
+    """The cached features (final states, then the means of every extracted layer) cut to the head's own."""
+    width = features.shape[1] - hidden * len(layers)
+    return torch.cat([features[:, :width]] + [features[:, width + hidden * layers.index(k):][:, :hidden]
+                                              for k in head.layers], dim=1)
 
 
 def evaluate(head: Head, features: torch.Tensor, gold: list[str]) -> dict:
@@ -111,6 +122,7 @@ def main() -> None:
     parser.add_argument("--states", choices=["last", "last+mean"], default="last+mean",
                         help="hidden states as features, as `slimroute tune --states`")
     parser.add_argument("--classifier", choices=["auto", "logistic", "lda"], default="auto")
+    parser.add_argument("--layer", default="auto", help="as `slimroute tune --layer`: auto, none or a layer number")
     parser.add_argument("--speed-rows", type=int, default=64, help="valid rows timed with and without the head")
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "banking77")
     args = parser.parse_args()
@@ -132,8 +144,11 @@ def main() -> None:
     log(f"{args.model} {args.dtype}, {loaded.threads} threads; prefix {len(engine.prompt.prefix_ids)} tokens; "
         f"{len(train)} train rows, {len(valid)} valid rows")
     with_mean = args.states == "last+mean"
-    train_x, train_rate = cached_features(engine, [t for t, _ in train], args.out, log, with_mean)
-    valid_x, valid_rate = cached_features(engine, [t for t, _ in valid], args.out, log, with_mean)
+    base = TuneConfig(with_mean=with_mean, classifier=args.classifier, layer=parse_layer(args.layer))
+    options = base.layer_options(int(loaded.model.config.num_hidden_layers))
+    layers = tuple(sorted({k for option in options for k in option}))
+    train_x, train_rate = cached_features(engine, [t for t, _ in train], args.out, log, with_mean, layers)
+    valid_x, valid_rate = cached_features(engine, [t for t, _ in valid], args.out, log, with_mean, layers)
     valid_gold = [label for _, label in valid]
 
     rows, heads = [], {}
@@ -145,19 +160,22 @@ def main() -> None:
     for name, keep in settings:
         x, y = train_x[keep].numpy(), train_y[keep]
         start = time.perf_counter()
-        config = TuneConfig(folds=min(args.folds, min(np.bincount(y))), with_mean=with_mean, classifier=args.classifier)
-        tensors, cv = fit_head(x, y, config)
+        config = replace(base, folds=min(args.folds, min(np.bincount(y))))
+        tensors, cv = fit_tuned(x, y, config, options, int(loaded.model.config.hidden_size))
         fit_s = time.perf_counter() - start
-        head = Head(tuple(labels), **tensors, features=config.features, meta=meta)
+        head = Head(tuple(labels), **tensors, features=config.features, meta=meta, layers=cv.layers)
         heads[name] = head
-        result = evaluate(head, valid_x, valid_gold)
+        result = evaluate(head, head_columns(valid_x, head, layers, int(loaded.model.config.hidden_size)), valid_gold)
         rows.append({"train": name, "train_rows": len(y), "cv_accuracy": cv.accuracy, "cv_macro_f1": cv.macro_f1,
                      "classifier": cv.chosen, "cv_scores": cv.scores, "fit_s": round(fit_s, 1),
+                     "layers": list(cv.layers), "layer_cv_scores": cv.layer_scores,
                      "valid_accuracy": result["accuracy"],
                      "valid_macro_f1": result["macro_f1"]})
         log(f"{name}: valid accuracy {100 * result['accuracy']:.1f}%, macro-F1 {100 * result['macro_f1']:.1f}%")
 
-    speed = measure_speed(loaded, task, heads[settings[-1][0]], engine, valid[: args.speed_rows], valid_x)
+    last = heads[settings[-1][0]]
+    speed = measure_speed(loaded, task, last, engine, valid[: args.speed_rows],
+                          head_columns(valid_x, last, layers, int(loaded.model.config.hidden_size)))
     record = {"command": command, "machine": machine_info(loaded.threads), "model": args.model,
               "dtype": args.dtype, "instructions": INSTRUCTIONS, "features": config.features,
               "valid_rows": len(valid), "rows": rows,
@@ -189,7 +207,8 @@ def markdown(record: dict) -> str:
              "", "| head tuned on | train rows | features | classifier (by CV) | CV accuracy | valid accuracy | "
              "valid macro-F1 |", "|---|---:|---|---|---:|---:|---:|"]
     for r in record["rows"]:
-        lines.append(f"| {r['train']} | {r['train_rows']} | {record['features']} | {r['classifier']} | "
+        layer = f" + mean of layer {', '.join(map(str, r['layers']))}" if r["layers"] else ""
+        lines.append(f"| {r['train']} | {r['train_rows']} | {record['features']}{layer} | {r['classifier']} | "
                      f"{100 * r['cv_accuracy']:.1f}% | "
                      f"{100 * r['valid_accuracy']:.1f}% | {100 * r['valid_macro_f1']:.1f}% |")
     if not s:

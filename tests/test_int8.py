@@ -11,7 +11,15 @@ from slimroute.attention import invariant_attention
 from slimroute.config import EngineConfig
 from slimroute.cpu import detect, int8_kernels_available
 from slimroute.engine import Engine
-from slimroute.int8 import Int8Linear, RowBlockedLinear, int8_failure, quantize_model
+from slimroute.int8 import (
+    HEAD_CHUNK,
+    Int8Linear,
+    RowBlockedLinear,
+    compact_head,
+    expand_head,
+    int8_failure,
+    quantize_model,
+)
 from slimroute.kernels import onednn_failure, set_attention
 from slimroute.reference import ReferenceClassifier
 from slimroute.task import Task
@@ -221,6 +229,83 @@ def test_quantised_weights_are_cached_and_reloaded_bitwise(tmp_path):
     set_attention(second)
     a, b = (Engine(m, tok, task).classify(texts) for m in (first, second))
     assert [p.logprobs for p in a] == [p.logprobs for p in b]
+
+
+def q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """weight's values as a Q8_0 GGUF gives them back (llama.cpp's quantize_row_q8_0_ref): blocks of 32,
+    q = round(x / d) with d = amax / 127, then q times d stored as fp16."""
+    blocks = weight.reshape(weight.shape[0], -1, 32)
+    scale = blocks.abs().amax(dim=2, keepdim=True) / 127
+    q = torch.round(blocks / torch.where(scale > 0, scale, torch.ones_like(scale)))
+    return (q * scale.half().float()).reshape(weight.shape)
+
+
+def test_compact_head_gives_back_every_value_exactly():
+    """A Q8_0-valued weight becomes int8 + one scale per 32 (a quarter of fp32's bytes plus 1/8), a bf16-valued
+    one bf16, anything else stays fp32 (None); every slice comes back bit for bit, across HEAD_CHUNK's seams."""
+    gen = torch.Generator().manual_seed(0)
+    raw = torch.randn(HEAD_CHUNK + 300, 64, generator=gen) * 0.05
+    raw[7, 32:] = 0  # an all-zero block: scale 0, every integer 0
+    for weight, kind in ((q8_0(raw), "q8"), (raw.bfloat16().float(), "bf16"), (raw, None)):
+        compact = compact_head(weight)
+        if kind is None:
+            assert compact is None
+            continue
+        assert sorted(compact) == (["head.q8", "head.q8_scale"] if kind == "q8" else ["head.bf16"])
+        held = sum(t.numel() * t.element_size() for t in compact.values())
+        assert held <= weight.numel() * weight.element_size() * (0.29 if kind == "q8" else 0.5)
+        for lo, hi in ((0, HEAD_CHUNK), (HEAD_CHUNK, weight.shape[0]), (5, 9)):
+            assert torch.equal(expand_head(compact, lo, hi), weight[lo:hi])
+    q8 = q8_0(raw)
+    q8[3, 3] = q8[3, 3] * (1 + 2**-20)  # one value off the grid: not a Q8_0 tensor (and not bf16 either)
+    assert compact_head(q8) is None
+
+
+@pytest.mark.parametrize("onednn", [False, True], ids=["torch", "onednn"])
+def test_compact_head_gives_the_fp32_heads_logits_and_row_invariance(onednn):
+    if onednn and onednn_failure(torch.float32):
+        pytest.skip(f"oneDNN's fp32 linear does not run here: {onednn_failure(torch.float32)}")
+    torch.manual_seed(0)
+    linear = nn.Linear(64, HEAD_CHUNK + 100, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(q8_0(linear.weight))
+    head = RowBlockedLinear(linear, onednn, compact_head(linear.weight.data))
+    assert head.weight is None and head.compact is not None  # the fp32 weight is not held
+    x = torch.randn(37, 64)
+    whole = head(x)
+    assert torch.allclose(whole, torch.nn.functional.linear(x, linear.weight), atol=1e-5)
+    for start, stop in ((0, 1), (5, 6), (3, 20), (36, 37)):
+        assert torch.equal(head(x[start:stop]), whole[start:stop])
+
+
+def test_a_q8_head_is_cached_compact_and_gives_the_references_bits(tmp_path):
+    """A tiny model whose output head holds Q8_0 values (as the packaged GGUF's does): the int8 model keeps it
+    compact, the cache file holds the compact form and a reload takes it from there, and the fast path still
+    gives the reference's bits."""
+    texts = [make_text(random.Random(i), n) for i, n in enumerate((1, 5, 30, 90))]
+    task = Task(MULTI)
+    cache_file = tmp_path / "int8.safetensors"
+    models = []
+    for _ in range(2):
+        model, tok = tiny_model("qwen2")
+        with torch.no_grad():
+            model.lm_head.weight = nn.Parameter(q8_0(model.lm_head.weight.data.clone()), requires_grad=False)
+        if models:
+            model.lm_head.weight.data.zero_()  # proves the reload's head comes from the cache file
+        quantize_model(model, cache_file, tok)
+        set_attention(model)
+        head = model.get_output_embeddings()
+        assert isinstance(head, RowBlockedLinear) and head.compact is not None and head.weight is None
+        models.append(model)
+    from safetensors import safe_open
+
+    with safe_open(str(cache_file), "pt") as stored:
+        assert {"head.q8", "head.q8_scale"} <= set(stored.keys())
+    ref = ReferenceClassifier(models[0], tok, task).classify(texts)
+    for model in models:
+        for batch_size in (1, 3):
+            fast = Engine(model, tok, task, EngineConfig(batch_size=batch_size)).classify(texts)
+            assert [p.logprobs for p in fast] == [p.logprobs for p in ref]  # bitwise
 
 
 def test_smoothing_changes_nothing_in_exact_arithmetic():

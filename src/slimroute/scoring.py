@@ -16,9 +16,11 @@ class LabelScorer:
         self.head = lm_head
         self.token_ids = sorted(set(token_ids))
         self.column = {tok: j for j, tok in enumerate(self.token_ids)}
-        self.index = torch.tensor(self.token_ids, device=lm_head.weight.device)  # (K,)
+        weight = getattr(lm_head, "weight", None)  # None: int8.RowBlockedLinear holding a compact weight
+        self.dtype, device = (weight.dtype, weight.device) if weight is not None else (lm_head.dtype, lm_head.device)
+        self.index = torch.tensor(self.token_ids, device=device)  # (K,)
 
     def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, H) hidden states -> (N, K) log-probs of the label tokens, columns as in `column`."""
-        logits = self.head(hidden.to(self.head.weight.dtype)).float()  # (N, V)
+        logits = self.head(hidden.to(self.dtype)).float()  # (N, V)
         return torch.log_softmax(logits, dim=-1).index_select(1, self.index)  # (N, K)
