@@ -66,6 +66,27 @@ def test_predictions_are_the_reference_with_the_head(estimator):
     assert np.abs(estimator.predict_log_proba(TEXTS[:10]) - expected).max() <= 1e-4
 
 
+def test_calibration_mode_fits_offsets_and_predicts_as_the_reference(model_dir):
+    """mode="calibration": zero-shot over the classes, per-label offsets fitted to the gold labels; its answers
+    are the reference's with the same offsets, and the offsets make the gold labels likelier than raw scores."""
+    estimator = SlimRouteClassifier(model_dir, mode="calibration", threads=1).fit(TEXTS, LABELS)
+    assert estimator.head_ is None and estimator.offsets_.mode == "fitted"
+    assert estimator.offsets_.labels == tuple(sorted(INTENTS)) == estimator.task_.labels
+    proba = estimator.predict_proba(TEXTS)
+    assert proba.shape == (len(TEXTS), 4) and np.allclose(proba.sum(axis=1), 1)
+    assert list(estimator.predict(TEXTS)) == list(estimator.classes_[proba.argmax(axis=1)])
+    loaded = estimator._loaded()
+    want = ReferenceClassifier(loaded.model, loaded.tokenizer, estimator.task_, "max-prob",
+                               calibration=estimator.offsets_).classify(TEXTS[:10])
+    assert list(estimator.predict(TEXTS[:10])) == [p.label for p in want]
+    gold = [list(estimator.classes_).index(label) for label in LABELS]
+    raw = np.array([[p.logprobs[label] for label in estimator.task_.labels] for p in estimator._classify(TEXTS)])
+    raw = raw - np.log(np.exp(raw).sum(axis=1, keepdims=True))  # log-softmax of the uncalibrated label scores
+    fitted_ll = np.log(proba[np.arange(len(gold)), gold]).mean()
+    assert fitted_ll > raw[np.arange(len(gold)), gold].mean()
+    assert not hasattr(clone(estimator), "offsets_")
+
+
 def test_integer_labels_come_back_as_given(estimator):
     codes = np.array([INTENTS.index(label) * 10 for label in LABELS])  # 0, 10, 20, 30: str order != int order
     estimator.fit(TEXTS, codes)
@@ -102,6 +123,8 @@ def test_pickles_without_the_model(estimator):
 def test_bad_use_names_the_problem(estimator):
     with pytest.raises(NotFittedError):
         estimator.predict(TEXTS[:2])
+    with pytest.raises(ValueError, match="mode must be one of head, calibration"):
+        clone(estimator).set_params(mode="prompt").fit(TEXTS, LABELS)
     with pytest.raises(ValueError, match="1-D sequence of texts"):
         estimator.fit("one string", LABELS[:1])
     with pytest.raises(ValueError, match=r"X\[1\] must be a non-empty string"):

@@ -1,11 +1,13 @@
 """A scikit-learn classifier over texts: `SlimRouteClassifier(model=...).fit(texts, labels).predict(texts)`.
 
-`fit` tunes a head (tune.py) on the fast engine's features of the texts; `predict` / `predict_proba`
-classify with the fast engine and that head. As scikit-learn expects, the constructor only stores its
-parameters and fitted state ends in `_`, so `clone`, `GridSearchCV` and `cross_val_score` work. The model
-itself is not a parameter: it is loaded at the first `fit` and shared by every estimator of the process
-with the same (model, dtype, threads, device) through a small cache (two models at most), so cloned
-estimators in cross-validation do not load it again. `clear_model_cache()` frees it.
+`fit` tunes a head (tune.py, mode="head") on the fast engine's features of the texts, or fits per-label
+calibration offsets (calibration.fit_offsets, mode="calibration") to the model's zero-shot label log-probs
+over the classes; `predict` / `predict_proba` classify with the fast engine and that head, or those offsets.
+As scikit-learn expects, the constructor only stores its parameters and fitted state ends in `_`, so `clone`,
+`GridSearchCV` and `cross_val_score` work. The model itself is not a parameter: it is loaded at the first
+`fit` and shared by every estimator of the process with the same (model, dtype, threads, device) through a
+small cache (two models at most), so cloned estimators in cross-validation do not load it again.
+`clear_model_cache()` frees it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from slimroute.models import DEFAULT_MODEL
 from slimroute.task import DEFAULT_INSTRUCTIONS, Task
 from slimroute.tune import DEFAULT_CS, TuneConfig
 
-MODES = ("head",)
+MODES = ("head", "calibration")
 
 
 @functools.lru_cache(maxsize=2)
@@ -48,12 +50,15 @@ def _texts(X) -> list[str]:
 
 
 class SlimRouteClassifier(ClassifierMixin, BaseEstimator):
-    """Texts in, labels out: a head tuned on the model's last hidden state (see `slimroute tune`).
+    """Texts in, labels out: a head tuned on the model's hidden states (see `slimroute tune`), or zero-shot
+    label scoring with fitted per-label offsets.
 
-    model: packaged name, HF repo id, model folder or .gguf file. mode: "head" (the only mode of this
-    build). instructions: the prompt's instructions (labels are the classes seen in fit). folds, cs,
-    with_label_logprobs, with_mean, classifier, layer: as in `slimroute tune` (TuneConfig). batch_size,
-    max_batch_tokens: the engine's."""
+    model: packaged name, HF repo id, model folder or .gguf file. mode: "head" (a tuned head; fitted state
+    head_, cv_) or "calibration" (zero-shot over the classes as labels, with per-label offsets fitted to the
+    gold labels: offsets_; a class name is then a label the model scores, so give meaningful names).
+    instructions: the prompt's instructions (labels are the classes seen in fit). folds, cs,
+    with_label_logprobs, with_mean, classifier, layer: as in `slimroute tune` (TuneConfig; mode="head").
+    batch_size, max_batch_tokens: the engine's."""
 
     def __init__(self, model: str = DEFAULT_MODEL, *, mode: str = "head", instructions: str | None = None,
                  dtype: str = "auto", threads: int | None = None, device: str = "cpu",
@@ -94,44 +99,60 @@ class SlimRouteClassifier(ClassifierMixin, BaseEstimator):
         names = [str(c) for c in classes]
         if len(set(names)) != len(names):
             raise ValueError(f"the classes {list(classes)} are not distinct as strings")
-        config = TuneConfig(folds=self.folds, cs=tuple(self.cs), with_label_logprobs=self.with_label_logprobs,
-                            with_mean=self.with_mean, classifier=self.classifier, layer=self.layer)
         task = Task(tuple(names), self.instructions or DEFAULT_INSTRUCTIONS)
         loaded = self._loaded()
         engine = Engine.from_loaded(loaded, task, self._engine_config())
-        head, report = tune_head(engine, texts, [str(label) for label in y], config, names,
-                                 {"model": self.model, "dtype": loaded.precision})
-        self.classes_, self.head_, self.cv_ = classes, head, report
-        self._engine = None  # built at the first predict, for this head
+        golds = [str(label) for label in y]
+        if self.mode == "calibration":  # zero-shot over the classes as labels, offsets fitted to the gold labels
+            from slimroute.calibration import fit_offsets
+
+            offsets = fit_offsets(engine.classify(texts), golds, task.labels, "SlimRouteClassifier.fit")
+            self.classes_, self.offsets_, self.head_, self.task_ = classes, offsets, None, task
+        else:
+            config = TuneConfig(folds=self.folds, cs=tuple(self.cs), with_label_logprobs=self.with_label_logprobs,
+                                with_mean=self.with_mean, classifier=self.classifier, layer=self.layer)
+            head, report = tune_head(engine, texts, golds, config, names,
+                                     {"model": self.model, "dtype": loaded.precision})
+            self.classes_, self.head_, self.cv_, self.task_, self.offsets_ = classes, head, report, head.task, None
+        self._engine = None  # built at the first predict, for this head or these offsets
         return self
 
     def predict_proba(self, X) -> np.ndarray:
-        """(N, C): the head's probabilities, columns in `classes_` order."""
-        preds = self._classify(X)
-        return np.array([[p.probs[label] for label in self.head_.labels] for p in preds], dtype=np.float64)
+        """(N, C): the head's (or the calibrated label scores') probabilities, columns in `classes_` order."""
+        return np.exp(self.predict_log_proba(X))
 
     def predict_log_proba(self, X) -> np.ndarray:
         preds = self._classify(X)
-        return np.array([[p.logprobs[label] for label in self.head_.labels] for p in preds], dtype=np.float64)
+        labels = self._labels()
+        if self.head_ is not None:  # the head's log-softmax over its labels
+            return np.array([[p.logprobs[label] for label in labels] for p in preds], dtype=np.float64)
+        scores = np.array([[p.calibrated_logprobs[label] for label in labels] for p in preds], dtype=np.float64)
+        top = scores.max(axis=1, keepdims=True)  # log-softmax over the classes of log-prob minus offset
+        return scores - top - np.log(np.exp(scores - top).sum(axis=1, keepdims=True))
 
     def predict(self, X) -> np.ndarray:
         preds = self._classify(X)
-        index = {label: j for j, label in enumerate(self.head_.labels)}
+        index = {label: j for j, label in enumerate(self._labels())}
         return self.classes_[[index[p.label] for p in preds]]
+
+    def _labels(self) -> tuple[str, ...]:
+        return self.head_.labels if self.head_ is not None else self.task_.labels
 
     def _classify(self, X):
         from slimroute.engine import Engine
 
-        check_is_fitted(self, "head_")
+        check_is_fitted(self, "classes_")
         if getattr(self, "_engine", None) is None:
-            self._engine = Engine.from_loaded(self._loaded(), self.head_.task, self._engine_config(), self.head_)
+            self._engine = Engine.from_loaded(self._loaded(), self.task_, self._engine_config(), self.head_,
+                                              self.offsets_)
         return self._engine.classify(_texts(X))
 
     def _loaded(self):
         return _loaded_model(self.model, self.dtype, self.threads, self.device)
 
     def _engine_config(self) -> EngineConfig:
-        return EngineConfig(batch_size=self.batch_size, max_batch_tokens=self.max_batch_tokens)
+        """max-prob: predict is then the argmax of predict_proba also for multi-token class names (calibration)."""
+        return EngineConfig(batch_size=self.batch_size, max_batch_tokens=self.max_batch_tokens, decision="max-prob")
 
     def __getstate__(self):
         state = super().__getstate__()
