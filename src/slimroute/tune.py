@@ -14,7 +14,8 @@ Layers (`layer="auto"`, the default): the features may also hold the mean over t
 layer's output from the middle of the model, read in the same forward pass. The candidates (none, and the layers
 a quarter, half and three quarters of the way up) are scored first, each with the cheap LDA under the same
 folds; the best (ties: fewer features) then goes through the classifier search above. On BANKING77 the layer a
-quarter of the way up, beside the final states, added 3-5 points at 8 examples per intent.
+quarter of the way up, beside the final states, added 4 points of CV accuracy at 8 examples per intent (2.9 on
+the held-out rows).
 """
 
 from __future__ import annotations
