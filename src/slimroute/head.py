@@ -130,7 +130,8 @@ class Head:
     @property
     def digest(self) -> str:
         """A short hash of the whole head (tensors and metadata), for a job's resume fingerprint."""
-        digest = hashlib.sha256(json.dumps([self.labels, self.features, self.meta, self.normalize, self.layers],
+        layers = [list(self.layers)] if self.layers else []  # a head without layers keeps its earlier digest
+        digest = hashlib.sha256(json.dumps([self.labels, self.features, self.meta, self.normalize, *layers],
                                            sort_keys=True).encode())
         for tensor in (self.weight, self.bias, self.mean, self.std):
             digest.update(tensor.to(torch.float64).contiguous().numpy().tobytes())
@@ -186,8 +187,9 @@ class Head:
                              f"{meta.get('version')!r}; this slimroute reads {FORMAT} version {FORMAT_VERSION}")
         meta = {k: v for k, v in meta.items() if k not in ("format", "version")}
         labels, features, normalize = tuple(meta.pop("labels")), meta.pop("features"), meta.pop("normalize", False)
+        layers = tuple(meta.pop("layers", ()))  # absent in heads saved before layers existed
         return cls(labels, tensors["weight"], tensors["bias"], tensors["mean"], tensors["std"], features, meta,
-                   bool(normalize), tuple(meta.pop("layers", ())))
+                   bool(normalize), layers)
 
 
 def check_out(folder: Path, overwrite: bool = False) -> None:
