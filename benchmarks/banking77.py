@@ -38,7 +38,7 @@ from slimroute.fingerprint import identity
 from slimroute.head import Head
 from slimroute.models import load_model
 from slimroute.task import Task
-from slimroute.tune import TuneConfig, fit_tuned, parse_layer
+from slimroute.tune import TuneConfig, fit_tuned, option_columns, parse_layer
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data" / "banking77" / "train.csv"
@@ -92,8 +92,7 @@ def cached_features(engine: Engine, texts: list[str], folder: Path, log, with_me
 def head_columns(features: torch.Tensor, head: Head, layers: tuple[int, ...], hidden: int) -> torch.Tensor:
     """The cached features (final states, then the means of every extracted layer) cut to the head's own."""
     width = features.shape[1] - hidden * len(layers)
-    return torch.cat([features[:, :width]] + [features[:, width + hidden * layers.index(k):][:, :hidden]
-                                              for k in head.layers], dim=1)
+    return features[:, torch.from_numpy(option_columns(features.shape[1], width, hidden, list(layers), head.layers))]
 
 
 def evaluate(head: Head, features: torch.Tensor, gold: list[str]) -> dict:

@@ -180,9 +180,9 @@ class Engine:
         """token_logprobs[row][label][k] for one batch; with a head, its log-probs (one step per head label)."""
         head = self.head
         last, states, state = self._forward(seqs, head.states if head else "last", head.layers if head else ())
-        if self.head is not None:
-            label_lps = self._label_logprobs(last, *state) if self.head.uses_label_logprobs else None
-            return self.head.token_logprobs(states, label_lps)
+        if head is not None:
+            label_lps = self._label_logprobs(last, *state) if head.uses_label_logprobs else None
+            return head.token_logprobs(states, label_lps)
         return self._label_logprobs(last, *state)
 
     def _forward(self, seqs: list[list[int]], states: str = "last", layers: tuple[int, ...] = ()):

@@ -252,16 +252,22 @@ def layer_name(option: tuple[int, ...]) -> str:
     return "final states" if not option else "+ layer " + ", ".join(map(str, option))
 
 
+def option_columns(num_features: int, width: int, hidden: int, layers: list[int], option: tuple[int, ...]
+                   ) -> np.ndarray:
+    """The columns of features laid out as [final states (width), the mean of each of `layers` (hidden each),
+    label log-probs (the rest)] that a head reading the layers of `option` takes."""
+    picked = [np.arange(width)] + [width + hidden * layers.index(k) + np.arange(hidden) for k in option]
+    return np.concatenate(picked + [np.arange(width + hidden * len(layers), num_features)])
+
+
 def fit_tuned(features: np.ndarray, y: np.ndarray, config: TuneConfig, options: list[tuple[int, ...]],
               hidden: int) -> tuple[dict, CVReport]:
     """fit_head after choosing the layer option. features (N, F): the final states (config.states), then the
     mean of each layer in sorted(union of options), H each, then the label log-probs if the config has them."""
     layers = sorted({k for option in options for k in option})
-    width = hidden * (2 if config.with_mean else 1)
 
     def columns(option: tuple[int, ...]) -> np.ndarray:
-        picked = [np.arange(width)] + [width + hidden * layers.index(k) + np.arange(hidden) for k in option]
-        return np.concatenate(picked + [np.arange(width + hidden * len(layers), features.shape[1])])
+        return option_columns(features.shape[1], hidden * (2 if config.with_mean else 1), hidden, layers, option)
 
     scores = {}
     if len(options) > 1:
