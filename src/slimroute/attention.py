@@ -10,9 +10,14 @@ What this does instead, with a fixed reduction order that depends only on the ke
 1. keys no query of a row can see (a batch's padding) move behind the visible ones, order kept, so a query's
    visible keys always start at index 0 in position order, as in the one-at-a-time prompt;
 2. queries and keys are cut into tiles of TILE positions (zero-padded); scores and weighted sums are products of
-   TILE x TILE tiles, each the same shape of GEMM whatever the lengths;
-3. softmax runs over the padded key rows (masked keys are exact zeros: trailing tiles add +0 to every partial sum);
+   fixed-shape tiles whatever the lengths: a query tile holds the TILE positions of all G query heads that share
+   a key head (grouped-query attention), so each score GEMM is (G*TILE x D) @ (D x TILE) and each weighted sum
+   (G*TILE x TILE) @ (TILE x D), the shared key tile read once for its G heads;
+3. softmax runs over the padded key rows (masked keys get -inf added, so they are exact zeros: trailing tiles add
+   +0 to every partial sum);
 4. the tiles' partial sums over keys are added in key order, one tile after another.
+The mask's share of this (the key order, the padded additive mask) is the same in every layer of a forward pass,
+so it is worked out once per mask and reused.
 About 4% of an item's FLOPs on a 0.5B model at ticket lengths.
 """
 
@@ -43,55 +48,87 @@ def invariant_attention(module, query, key, value, attention_mask, scaling, drop
     batch, heads, num_queries, head_dim = query.shape
     kv_heads, num_keys = key.shape[1], key.shape[2]
     groups = heads // kv_heads
+    order, bias, key_tiles = _mask_plan(attention_mask, batch, num_queries, num_keys, query.device)
+
+    # 1. visible keys first, in position order
+    if order is not None:
+        gather = order[..., None].expand(batch, kv_heads, num_keys, head_dim)
+        key, value = key.gather(2, gather), value.gather(2, gather)
+
+    # 2. tiles: queries (B, Hkv, G, nq, T, D); keys and values (B, Hkv, nk, T, D). Long inputs run QUERY_TILES
+    # query tiles at a time (rows are independent; this only bounds the scores' memory).
+    q_len, k_len = -(-num_queries // TILE) * TILE, -(-num_keys // TILE) * TILE
+    nq = q_len // TILE
+    q_tiles = _tiles(query, q_len).view(batch, kv_heads, groups, nq, TILE, head_dim)
+    k_tiles, v_tiles = _tiles(key, k_len), _tiles(value, k_len)
+    chunks = []
+    for a in range(0, nq, QUERY_TILES):
+        nk = max(key_tiles[a:a + QUERY_TILES])  # key tiles behind the last one these queries see: skipped
+        chunks.append(_attend(q_tiles[:, :, :, a:a + QUERY_TILES], k_tiles[:, :, :nk], v_tiles[:, :, :nk],
+                              bias[:, :, a:a + QUERY_TILES, :, :, :nk * TILE], scaling))
+    out = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=2)  # (B, Hkv, nq, G, T, D)
+    out = out.permute(0, 2, 4, 1, 3, 5).reshape(batch, q_len, heads, head_dim)  # head h = kv head h // G, as GQA
+    return out[:, :num_queries].contiguous(), None
+
+
+_plan: tuple = (None,)  # (mask, shape, plan): the last mask's plan; a forward pass hands every layer the same mask
+
+
+def _mask_plan(attention_mask, batch: int, num_queries: int, num_keys: int, device):
+    """(order, bias, key_tiles) for a mask: order (B, 1, Lk) puts the keys no query of a row sees (a batch's
+    padding) behind the visible ones, order kept (None when none is in front of a visible one); bias
+    (B, 1, nq, 1, T, Lk'), 0 where a query may attend and -inf elsewhere, in the keys' new order, padded to whole
+    tiles; key_tiles[a]: how many key tiles hold a key some query of query tile a sees (in any row; a causal
+    mask's later tiles are all hidden from early queries: their softmax terms and products would be exact zeros)."""
+    global _plan
+    edits = 0 if attention_mask is None or attention_mask.is_inference() else attention_mask._version  # in place
+    shape = (batch, num_queries, num_keys, str(device), edits)
+    cached_mask, *rest = _plan
+    if attention_mask is not None and cached_mask is attention_mask and rest[0] == shape:
+        return rest[1]
     if attention_mask is None:
-        allowed = torch.ones(batch, 1, num_queries, num_keys, dtype=torch.bool, device=query.device)
+        allowed = torch.ones(batch, 1, num_queries, num_keys, dtype=torch.bool, device=device)
     elif attention_mask.dtype == torch.bool:
         allowed = attention_mask[:, :, :, :num_keys]
     else:
         allowed = attention_mask[:, :, :, :num_keys] == 0
     allowed = allowed.expand(batch, 1, num_queries, num_keys)
-
-    # 1. visible keys first, in position order (stable sort of "hidden" flags); right padding needs no move
     hidden = ~allowed.any(dim=2)  # (B, 1, Lk): no query of the row sees it
+    order = None
     if bool((hidden[..., :-1] & ~hidden[..., 1:]).any()):  # a hidden key in front of a visible one
         order = torch.sort(hidden.to(torch.uint8), dim=-1, stable=True).indices  # (B, 1, Lk)
-        gather = order[..., None].expand(batch, kv_heads, num_keys, head_dim)
-        key, value = key.gather(2, gather), value.gather(2, gather)
         allowed = allowed.gather(3, order[:, :, None, :].expand(batch, 1, num_queries, num_keys))
-
-    # 2. tiles: queries (B, Hkv, G, nq, T, D); keys and values (B, Hkv, nk, T, D), shared by the G query heads of
-    # a key head (grouped-query attention). Long inputs run QUERY_TILES query tiles at a time (rows are
-    # independent; this only bounds the scores' memory).
     q_len, k_len = -(-num_queries // TILE) * TILE, -(-num_keys // TILE) * TILE
-    nq = q_len // TILE
-    q_tiles = _tiles(query, q_len).view(batch, kv_heads, groups, nq, TILE, head_dim)
-    k_tiles, v_tiles = _tiles(key, k_len), _tiles(value, k_len)
     mask = F.pad(allowed, (0, k_len - num_keys, 0, q_len - num_queries))  # (B, 1, Lq', Lk')
     mask[:, :, num_queries:, 0] = True  # padded queries may see key 0 (their rows are dropped, but stay finite)
-    chunks = [_attend(q_tiles[:, :, :, a:a + QUERY_TILES], k_tiles, v_tiles,
-                      mask[:, :, a * TILE:(a + QUERY_TILES) * TILE], scaling) for a in range(0, nq, QUERY_TILES)]
-    out = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=2)  # (B, H, Lq', D)
-    return out[:, :, :num_queries].transpose(1, 2).contiguous(), None
+    bias = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
+    seen = mask.any(dim=0)[0].view(q_len // TILE, TILE, k_len).any(dim=1)  # (nq, Lk'): a key some query sees
+    last_seen = (seen * torch.arange(1, k_len + 1, device=device)).amax(dim=1)  # 1 + the last such key's index
+    key_tiles = (-(-last_seen // TILE)).tolist()
+    plan = order, bias.view(batch, 1, q_len // TILE, 1, TILE, k_len), key_tiles
+    if attention_mask is not None:
+        _plan = (attention_mask, shape, plan)
+    return plan
 
 
-def _attend(q_tiles, k_tiles, v_tiles, mask, scaling) -> torch.Tensor:
-    """Queries (B, Hkv, G, c, T, D) against every key tile (B, Hkv, nk, T, D) -> (B, H, c * T, D)."""
+def _attend(q_tiles, k_tiles, v_tiles, bias, scaling) -> torch.Tensor:
+    """Queries (B, Hkv, G, c, T, D) against every key tile (B, Hkv, nk, T, D), bias (B, 1, c, 1, T, nk * T)
+    -> (B, Hkv, c, G, T, D)."""
     batch, kv_heads, groups, c, _, head_dim = q_tiles.shape
     nk = k_tiles.shape[2]
-    q_tiles = q_tiles.reshape(batch, kv_heads, groups * c, TILE, head_dim)
+    q = q_tiles.transpose(2, 3).reshape(batch, kv_heads, c, groups * TILE, head_dim)  # a tile: G heads x T positions
     # scores tile by tile, one key tile at a time, straight into (query, key) order
-    scores = q_tiles.new_empty(batch, kv_heads, groups * c, TILE, nk, TILE)
+    scores = q.new_empty(batch, kv_heads, c, groups * TILE, nk, TILE)
     for j in range(nk):
-        scores[:, :, :, :, j] = torch.matmul(q_tiles, k_tiles[:, :, j, None].transpose(-1, -2))
-    scores = scores.view(batch, kv_heads * groups, c * TILE, nk * TILE).mul_(scaling)
-    # 3. softmax over padded key rows (masked keys are exact zeros)
-    probs = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1)
+        scores[:, :, :, :, j] = torch.matmul(q, k_tiles[:, :, j, None].transpose(-1, -2))
+    # 3. softmax over padded key rows (masked keys: -inf added, exact zeros after it)
+    scores = scores.view(batch, kv_heads, c, groups, TILE, nk * TILE).mul_(scaling).add_(bias)
+    probs = torch.softmax(scores, dim=-1).view(batch, kv_heads, c, groups * TILE, nk, TILE)
     # 4. per-tile weighted sums, added in key order
-    probs = probs.view(batch, kv_heads, groups * c, TILE, nk, TILE)
-    out = torch.matmul(probs[:, :, :, :, 0], v_tiles[:, :, 0, None])  # (B, Hkv, G*c, T, D)
+    out = torch.matmul(probs[:, :, :, :, 0], v_tiles[:, :, 0, None])  # (B, Hkv, c, G*T, D)
     for j in range(1, nk):
-        out = out + torch.matmul(probs[:, :, :, :, j], v_tiles[:, :, j, None])
-    return out.view(batch, kv_heads * groups, c * TILE, head_dim)
+        out.add_(torch.matmul(probs[:, :, :, :, j], v_tiles[:, :, j, None]))
+    return out.view(batch, kv_heads, c, groups, TILE, head_dim)
 
 
 def register() -> str:

@@ -127,15 +127,20 @@ def _onednn_problem() -> str:
 class RowQuantizer:
     """Per-row activation quantisation, shared by the layers that read one input: q_proj, k_proj and v_proj (and
     gate_proj and up_proj) run one after the other on the same hidden states, so the first quantises them and the
-    others, called with that very tensor, reuse the result; after the last member the result is dropped."""
+    others, called with that very tensor, reuse the result; after the last member the result is dropped.
 
-    def __init__(self, members: int = 1):
+    The integers come as the kernel takes them: floats for fbgemm (it adds its zero point itself), uint8 q +
+    ZERO_POINT for oneDNN (made in place: each pass over the activations counts at these sizes)."""
+
+    def __init__(self, members: int = 1, kernel: str = "fbgemm"):
         self.members = members
+        self.kernel = kernel
         self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._uses = 0
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(..., K) -> integers as floats (M, K) and their row scales (M, 1)."""
+        """(..., K) -> the integers (M, K) (floats, or uint8 shifted by ZERO_POINT for oneDNN) and their row
+        scales (M, 1)."""
         if self._last is not None and self._last[0] is x:
             _, q, scale = self._last
         else:
@@ -143,6 +148,8 @@ class RowQuantizer:
             scale = rows.abs().amax(dim=1, keepdim=True) / ACT_MAX  # (M, 1); max is exact in any order
             scale = torch.where(scale > 0, scale, torch.ones_like(scale))
             q = torch.div(rows, scale).round_()  # |q| <= ACT_MAX: integers, as floats
+            if self.kernel == "onednn":
+                q = q.add_(ZERO_POINT).to(torch.uint8)  # exact: integers in ZERO_POINT +- ACT_MAX
             self._uses = 0
         self._uses += 1
         self._last = (x, q, scale) if self._uses < self.members else None
@@ -157,11 +164,13 @@ class Int8Linear(nn.Module):
         super().__init__()
         if kernel not in KERNELS:
             raise ValueError(f"int8 kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+        if quantizer is not None and quantizer.kernel != kernel:
+            raise ValueError(f"a RowQuantizer for {quantizer.kernel} cannot feed the {kernel} kernel")
         self.out_features, self.in_features = qweight.shape
         self.kernel = kernel
         self.packed = _prepack(qweight, scale) if kernel == "fbgemm" else _prepack_onednn(qweight, scale)
         self.bias = None if bias is None else bias.detach().float().clone()
-        self.quantizer = quantizer or RowQuantizer()
+        self.quantizer = quantizer or RowQuantizer(kernel=kernel)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, quantizer: RowQuantizer | None = None, kernel: str = "fbgemm"
@@ -174,8 +183,8 @@ class Int8Linear(nn.Module):
             out = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(q, 1.0, ZERO_POINT, self.packed)
         else:  # uint8 q + ZERO_POINT in, fp32 acc * 1.0 * weight scale out
             weight, wscale, wzero = self.packed
-            out = torch.ops.onednn.qlinear_pointwise((q + ZERO_POINT).to(torch.uint8), 1.0, ZERO_POINT, weight,
-                                                     wscale, wzero, None, 1.0, 0, torch.float32, "none", [], "")
+            out = torch.ops.onednn.qlinear_pointwise(q, 1.0, ZERO_POINT, weight, wscale, wzero, None, 1.0, 0,
+                                                     torch.float32, "none", [], "")
         out.mul_(scale)  # (M, N)
         if self.bias is not None:
             out.add_(self.bias)
@@ -210,9 +219,11 @@ class RowBlockedLinear(nn.Module):
             for start in range(0, padded.shape[0], HEAD_BLOCK):
                 out[start:start + HEAD_BLOCK] = self._block(padded[start:start + HEAD_BLOCK], self.weight, self.bias)
         else:
+            buffer = torch.empty(HEAD_CHUNK, self.in_features)
             for lo in range(0, self.out_features, HEAD_CHUNK):  # each slice made once, used by every row block
                 hi = min(lo + HEAD_CHUNK, self.out_features)
-                weight, bias = expand_head(self.compact, lo, hi), None if self.bias is None else self.bias[lo:hi]
+                weight = expand_head(self.compact, lo, hi, buffer)
+                bias = None if self.bias is None else self.bias[lo:hi]
                 for start in range(0, padded.shape[0], HEAD_BLOCK):
                     out[start:start + HEAD_BLOCK, lo:hi] = self._block(padded[start:start + HEAD_BLOCK], weight, bias)
         return out[:num_rows].view(*x.shape[:-1], self.out_features)
@@ -257,12 +268,18 @@ def compact_head(weight: torch.Tensor, release=None) -> dict[str, torch.Tensor] 
     return {"head.bf16": torch.cat(bf16)}
 
 
-def expand_head(compact: dict[str, torch.Tensor], lo: int, hi: int) -> torch.Tensor:
-    """Rows lo:hi of the fp32 weight a compact_head form holds: the very values it was made from."""
+def expand_head(compact: dict[str, torch.Tensor], lo: int, hi: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows lo:hi of the fp32 weight a compact_head form holds: the very values it was made from (written into
+    out[:hi - lo] when given: a buffer reused slice after slice costs no fresh pages)."""
+    rows = hi - lo
+    width = (compact["head.bf16"] if "head.bf16" in compact else compact["head.q8"]).shape[1]
+    dest = torch.empty(rows, width) if out is None else out[:rows]
     if "head.bf16" in compact:
-        return compact["head.bf16"][lo:hi].float()
+        return dest.copy_(compact["head.bf16"][lo:hi])
     q, scale = compact["head.q8"][lo:hi], compact["head.q8_scale"][lo:hi]  # (C, K), (C, K/32)
-    return torch.mul(q.view(hi - lo, -1, Q8_BLOCK), scale[:, :, None]).view(hi - lo, -1)  # int8 -> fp32 exactly
+    dest.copy_(q)  # int8 -> fp32, then times the block's scale: exact
+    dest.view(rows, -1, Q8_BLOCK).mul_(scale[:, :, None])
+    return dest
 
 
 def int8_cache_file(source: Path | str) -> Path | None:
@@ -311,7 +328,7 @@ def quantize_model(model: nn.Module, cache_file: Path | None = None, tokenizer=N
     factors, params = smoothing_factors(model, tokenizer) if tokenizer is not None and not cached else ({}, {})
     made: dict[str, torch.Tensor] = {f"param.{name}": value.contiguous() for name, value in params.items()}
     groups = [_input_group(name) for name, _ in targets]
-    quantizers = {group: RowQuantizer(groups.count(group)) for group in groups}
+    quantizers = {group: RowQuantizer(groups.count(group), kernel) for group in groups}
     mapped = FileMappedMemory()
     stored_head: dict[str, torch.Tensor] | None = None
     with safe_open(str(cache_file), "pt") if cached else _nothing() as stored:
