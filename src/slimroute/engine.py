@@ -29,6 +29,9 @@ from slimroute.prefix_cache import PrefixCache, continue_cache
 from slimroute.scoring import LabelScorer
 from slimroute.task import Prompt, Task
 
+SCORER_ROWS = 64  # rows gathered (over small batches) before one label-scorer call: its vocabulary-wide GEMM
+# reads the whole output head once per call (the int8 path turns a compact head back into fp32 for it)
+
 
 @dataclass
 class EngineStats:
@@ -126,17 +129,33 @@ class Engine:
         results: list[Prediction | None] = [None] * len(texts)
         lengths = [len(ids) for ids in item_ids]
         cfg = self.config
+        pending: list[tuple[list[int], torch.Tensor | None, object]] = []  # batches waiting for the label scorer
+
+        def finish() -> None:  # one scorer call for every pending batch's rows, then their decisions
+            rows = [r for _, r, _ in pending if r is not None]
+            lps = self.scorer.logprobs(torch.cat(rows)) if rows else None  # (N, K)
+            start = 0
+            for batch, batch_rows, done in pending:
+                n = 0 if batch_rows is None else batch_rows.shape[0]
+                token_logprobs = done(None if lps is None or not n else lps[start:start + n])
+                start += n
+                for i, lps_i in zip(batch, token_logprobs, strict=True):
+                    results[i] = self._decide(texts[i], lps_i, self._prompt_len(lengths[i]), truncated[i], run)
+                if progress:
+                    progress(len(batch))
+                if on_results:
+                    on_results([(i, results[i]) for i in batch])
+            pending.clear()
+
         for batch in plan_batches(lengths, cfg.batch_size, cfg.max_batch_tokens, cfg.sort, cfg.max_padding,
                                   cfg.batch_overhead_tokens):
-            token_logprobs = self._score_batch([item_ids[i] for i in batch])
+            rows, done = self._score_batch([item_ids[i] for i in batch])
             run.padding.add([lengths[i] for i in batch])
             run.num_batches += 1
-            for i, lps in zip(batch, token_logprobs, strict=True):
-                results[i] = self._decide(texts[i], lps, self._prompt_len(lengths[i]), truncated[i], run)
-            if progress:
-                progress(len(batch))
-            if on_results:
-                on_results([(i, results[i]) for i in batch])
+            pending.append((batch, rows, done))
+            if sum(0 if r is None else r.shape[0] for _, r, _ in pending) >= SCORER_ROWS or rows is None:
+                finish()
+        finish()
         # the batches' activations stay out of the RSS once the call is done (not after each batch: the next batch
         # would fault every page back in, ~10% of the time on a VM)
         return_freed_memory()
@@ -178,14 +197,19 @@ class Engine:
     def _prompt_len(self, item_len: int) -> int:
         return item_len + (self.prefix.length if self.prefix else 0)
 
-    def _score_batch(self, seqs: list[list[int]]) -> list[list[list[float]]]:
-        """token_logprobs[row][label][k] for one batch; with a head, its log-probs (one step per head label)."""
+    def _score_batch(self, seqs: list[list[int]]):
+        """One batch's forward pass(es): (rows, done). rows (N, H): the hidden states the label scorer must score
+        (None when nothing is, as with a head that does not use label log-probs); done(log-probs of those rows)
+        gives token_logprobs[row][label][k] (with a head, its log-probs: one step per head label). The scorer call
+        is the caller's, so one call can serve several small batches (classify)."""
         head = self.head
         last, states, state = self._forward(seqs, head.states if head else "last", head.layers if head else ())
+        if head is not None and not head.uses_label_logprobs:
+            return None, lambda _: head.token_logprobs(states, None)
+        rows = self._label_rows(last, *state)
         if head is not None:
-            label_lps = self._label_logprobs(last, *state) if head.uses_label_logprobs else None
-            return head.token_logprobs(states, label_lps)
-        return self._label_logprobs(last, *state)
+            return rows, lambda lps: head.token_logprobs(states, self._split_label_logprobs(lps, len(seqs)))
+        return rows, lambda lps: self._split_label_logprobs(lps, len(seqs))
 
     def _forward(self, seqs: list[list[int]], states: str = "last", layers: tuple[int, ...] = ()):
         """One pass over a right-padded batch behind the prefix: the final-norm hidden state at each item's
@@ -214,19 +238,36 @@ class Engine:
 
     def _label_logprobs(self, last, cache, mask, ends) -> list[list[list[float]]]:
         """token_logprobs[row][label][k] from the batch's last hidden states (B, H) and its cache."""
-        batch = last.shape[0]
-        first = self.scorer.logprobs(last)  # (B, K)
+        return self._split_label_logprobs(self.scorer.logprobs(self._label_rows(last, cache, mask, ends)),
+                                          last.shape[0])
+
+    def _label_rows(self, last, cache, mask, ends) -> torch.Tensor:
+        """The hidden states whose next-token log-probs score the labels: the items' last ones (B, H), then, for
+        each multi-token label in turn, those after feeding its tokens but the last (B * (n - 1), H)."""
+        rows = [last]
+        for ids in self.label_ids:
+            if len(ids) > 1:
+                rows.append(self._continuation(cache, mask, ends, ids).reshape(-1, last.shape[-1]))
+        return torch.cat(rows) if len(rows) > 1 else last
+
+    def _split_label_logprobs(self, lps: torch.Tensor, batch: int) -> list[list[list[float]]]:
+        """_label_rows' log-probs (N, K) -> token_logprobs[row][label][k]."""
         col = self.scorer.column
+        first = lps[:batch]
         scores = [[[float(first[row, col[ids[0]]])] for ids in self.label_ids] for row in range(batch)]
+        start = batch
         for j, ids in enumerate(self.label_ids):
             if len(ids) > 1:
-                cont = self._continuation(cache, mask, ends, ids)  # (B, n-1, K)
+                steps = len(ids) - 1
+                cont = lps[start:start + batch * steps].reshape(batch, steps, -1)  # (B, n-1, K)
+                start += batch * steps
                 for row in range(batch):
                     scores[row][j].extend(float(cont[row, k, col[tok]]) for k, tok in enumerate(ids[1:]))
         return scores
 
     def _continuation(self, cache, mask, ends, ids: tuple[int, ...]) -> torch.Tensor:
-        """Log-probs after feeding ids[:-1] behind each item; the batch cache is left unchanged."""
+        """The final hidden states (B, n-1, H) after feeding ids[:-1] behind each item; the batch cache is left
+        unchanged."""
         batch = mask.shape[0]
         steps = len(ids) - 1
         tokens = torch.tensor(ids[:-1], device=self.device).expand(batch, -1)  # (B, n-1)
@@ -236,5 +277,4 @@ class Engine:
             input_ids=tokens, attention_mask=mask, position_ids=positions,
             cache=continue_cache(cache, self.model.config), use_cache=True,
         )
-        hidden = out.last_hidden_state  # (B, n-1, H)
-        return self.scorer.logprobs(hidden.reshape(batch * steps, -1)).reshape(batch, steps, -1)
+        return out.last_hidden_state  # (B, n-1, H)
