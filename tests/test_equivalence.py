@@ -108,3 +108,28 @@ def test_decision_margin():
     lps = [[-1.0], [-0.5, -2.0], [-0.5, -0.1]]
     assert abs(decision_margin("greedy", ids, lps) - 0.5) < 1e-9  # step 1: 0.5 vs 1.0; step 2: 1.9
     assert abs(decision_margin("max-prob", ids, lps) - 0.4) < 1e-9  # -0.6 vs -1.0
+
+
+def test_small_batches_share_a_scorer_call_and_report_every_item_once(tiny_qwen, monkeypatch):
+    """classify gathers the label scorer's rows over small batches (engine.SCORER_ROWS) before one head call:
+    the same predictions as a call per batch, and progress / on_results still see each batch, every item once."""
+    import slimroute.engine as engine_module
+
+    model, tok = tiny_qwen
+    task = Task(LABEL_SETS["multi"])
+    rng = random.Random(11)
+    texts = [make_text(rng, rng.choice([2, 30, 90])) for _ in range(23)]
+    engine = Engine(model, tok, task, EngineConfig(batch_size=3))
+    calls = []
+    real = engine.scorer.logprobs
+    monkeypatch.setattr(engine.scorer, "logprobs", lambda rows: calls.append(rows.shape[0]) or real(rows))
+    done, counted = [], []
+    shared = engine.classify(texts, progress=counted.append, on_results=done.extend)
+    assert len(calls) < engine.last_stats.num_batches  # several batches per call
+    assert sorted(i for i, _ in done) == list(range(len(texts))) and sum(counted) == len(texts)
+    assert all(shared[i] == p for i, p in done)
+    monkeypatch.setattr(engine_module, "SCORER_ROWS", 1)
+    calls.clear()
+    per_batch = engine.classify(texts)
+    assert len(calls) == engine.last_stats.num_batches
+    assert_equal(per_batch, shared)

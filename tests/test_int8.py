@@ -254,8 +254,10 @@ def test_compact_head_gives_back_every_value_exactly():
         assert sorted(compact) == (["head.q8", "head.q8_scale"] if kind == "q8" else ["head.bf16"])
         held = sum(t.numel() * t.element_size() for t in compact.values())
         assert held <= weight.numel() * weight.element_size() * (0.29 if kind == "q8" else 0.5)
+        buffer = torch.full((HEAD_CHUNK, 64), float("nan"))  # reused slice after slice, as RowBlockedLinear does
         for lo, hi in ((0, HEAD_CHUNK), (HEAD_CHUNK, weight.shape[0]), (5, 9)):
             assert torch.equal(expand_head(compact, lo, hi), weight[lo:hi])
+            assert torch.equal(expand_head(compact, lo, hi, buffer), weight[lo:hi])
     q8 = q8_0(raw)
     q8[3, 3] = q8[3, 3] * (1 + 2**-20)  # one value off the grid: not a Q8_0 tensor (and not bf16 either)
     assert compact_head(q8) is None
@@ -352,3 +354,43 @@ def test_int8_is_bitwise_equal_to_its_reference_on_the_packaged_smollm2(tmp_path
     for batch_size in (1, 7, 32):
         fast = Engine.from_loaded(loaded, task, EngineConfig(batch_size=batch_size)).classify(texts)
         assert [p.logprobs for p in fast] == [p.logprobs for p in ref], batch_size
+
+
+def test_invariant_attention_plans_a_mask_once_and_drops_the_plan_with_it():
+    """The mask's plan (key order, additive bias, key tiles per query tile) is made once for the layers of a
+    forward pass, made again for another mask or an edited one, and let go when its mask is."""
+    import gc
+
+    import slimroute.attention as attention
+
+    torch.manual_seed(0)
+    batch, heads, kv_heads, queries, keys, dim = 2, 4, 2, 40, 50, 16
+    q, k, v = torch.randn(batch, heads, queries, dim), torch.randn(batch, kv_heads, keys, dim), torch.randn(
+        batch, kv_heads, keys, dim)
+    positions = torch.arange(keys - queries, keys)
+    allowed = (torch.arange(keys)[None, :] <= positions[:, None]).expand(batch, 1, queries, keys).clone()
+    first, _ = invariant_attention(None, q, k, v, allowed, scaling=dim ** -0.5)
+    plan = attention._plan[2]
+    again, _ = invariant_attention(None, q, k, v, allowed, scaling=dim ** -0.5)
+    assert attention._plan[2] is plan and torch.equal(again, first)  # a second layer: the same plan
+    allowed[1, :, :, 30:] = False  # edited in place: planned again
+    edited, _ = invariant_attention(None, q, k, v, allowed, scaling=dim ** -0.5)
+    assert attention._plan[2] is not plan
+    fresh, _ = invariant_attention(None, q, k, v, allowed.clone(), scaling=dim ** -0.5)  # another mask object
+    assert torch.equal(fresh, edited) and not torch.equal(edited[1], first[1])
+    gc.collect()
+    assert attention._plan == (None,)  # the clone is gone, and its plan with it
+
+
+def test_a_quantizer_feeds_only_its_own_kernel():
+    """fbgemm takes the integers as floats, oneDNN as uint8 shifted by ZERO_POINT: a shared quantizer made for one
+    kernel is refused by the other, and both forms hold the same integers."""
+    from slimroute.int8 import ZERO_POINT, Int8Linear, RowQuantizer
+
+    x = torch.randn(5, 64)
+    as_floats, scale = RowQuantizer(kernel="fbgemm")(x)
+    as_uint8, same_scale = RowQuantizer(kernel="onednn")(x)
+    assert as_uint8.dtype == torch.uint8 and torch.equal(as_uint8.float() - ZERO_POINT, as_floats)
+    assert torch.equal(scale, same_scale)
+    with pytest.raises(ValueError, match="cannot feed the fbgemm kernel"):
+        Int8Linear.from_linear(nn.Linear(64, 8), RowQuantizer(kernel="onednn"), kernel="fbgemm")

@@ -23,6 +23,8 @@ About 4% of an item's FLOPs on a 0.5B model at ticket lengths.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
@@ -71,7 +73,14 @@ def invariant_attention(module, query, key, value, attention_mask, scaling, drop
     return out[:, :num_queries].contiguous(), None
 
 
-_plan: tuple = (None,)  # (mask, shape, plan): the last mask's plan; a forward pass hands every layer the same mask
+_plan: tuple = (None,)  # (weakref to a mask, shape, plan): the last mask's plan; a forward pass hands every layer
+# the same mask object. The plan goes when its mask does (the bias is a float per query and key of the batch).
+
+
+def _forget(ref) -> None:
+    global _plan
+    if _plan[0] is ref:
+        _plan = (None,)
 
 
 def _mask_plan(attention_mask, batch: int, num_queries: int, num_keys: int, device):
@@ -83,8 +92,8 @@ def _mask_plan(attention_mask, batch: int, num_queries: int, num_keys: int, devi
     global _plan
     edits = 0 if attention_mask is None or attention_mask.is_inference() else attention_mask._version  # in place
     shape = (batch, num_queries, num_keys, str(device), edits)
-    cached_mask, *rest = _plan
-    if attention_mask is not None and cached_mask is attention_mask and rest[0] == shape:
+    cached, *rest = _plan
+    if attention_mask is not None and cached is not None and cached() is attention_mask and rest[0] == shape:
         return rest[1]
     if attention_mask is None:
         allowed = torch.ones(batch, 1, num_queries, num_keys, dtype=torch.bool, device=device)
@@ -107,7 +116,7 @@ def _mask_plan(attention_mask, batch: int, num_queries: int, num_keys: int, devi
     key_tiles = (-(-last_seen // TILE)).tolist()
     plan = order, bias.view(batch, 1, q_len // TILE, 1, TILE, k_len), key_tiles
     if attention_mask is not None:
-        _plan = (attention_mask, shape, plan)
+        _plan = (weakref.ref(attention_mask, _forget), shape, plan)
     return plan
 
 

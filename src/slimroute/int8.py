@@ -145,9 +145,10 @@ class RowQuantizer:
             _, q, scale = self._last
         else:
             rows = x.reshape(-1, x.shape[-1]).float()  # (M, K)
-            scale = rows.abs().amax(dim=1, keepdim=True) / ACT_MAX  # (M, 1); max is exact in any order
+            q = torch.abs(rows)
+            scale = q.amax(dim=1, keepdim=True) / ACT_MAX  # (M, 1); max is exact in any order
             scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-            q = torch.div(rows, scale).round_()  # |q| <= ACT_MAX: integers, as floats
+            q = torch.div(rows, scale, out=q).round_()  # |q| <= ACT_MAX: integers, as floats (|x|'s buffer)
             if self.kernel == "onednn":
                 q = q.add_(ZERO_POINT).to(torch.uint8)  # exact: integers in ZERO_POINT +- ACT_MAX
             self._uses = 0
