@@ -113,7 +113,7 @@ def _mask_plan(attention_mask, batch: int, num_queries: int, num_keys: int, devi
     bias = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
     seen = mask.any(dim=0)[0].view(q_len // TILE, TILE, k_len).any(dim=1)  # (nq, Lk'): a key some query sees
     last_seen = (seen * torch.arange(1, k_len + 1, device=device)).amax(dim=1)  # 1 + the last such key's index
-    key_tiles = (-(-last_seen // TILE)).tolist()
+    key_tiles = (-(-last_seen // TILE)).clamp_(min=1).tolist()  # a tile of queries that see nothing: 1 (all -inf)
     plan = order, bias.view(batch, 1, q_len // TILE, 1, TILE, k_len), key_tiles
     if attention_mask is not None:
         _plan = (weakref.ref(attention_mask, _forget), shape, plan)
