@@ -2,6 +2,7 @@
 
 import random
 
+import pytest
 from conftest import _cached
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -133,3 +134,23 @@ def test_small_batches_share_a_scorer_call_and_report_every_item_once(tiny_qwen,
     per_batch = engine.classify(texts)
     assert len(calls) == engine.last_stats.num_batches
     assert_equal(per_batch, shared)
+
+
+def test_a_failing_batch_still_hands_out_the_answers_of_the_batches_before_it(tiny_qwen, monkeypatch):
+    """Batches wait for a shared scorer call; when a later batch raises, the waiting ones are scored and handed
+    out (on_results) before the error goes up, as when each batch was scored at once."""
+    model, tok = tiny_qwen
+    engine = Engine(model, tok, Task(LABEL_SETS["single"]), EngineConfig(batch_size=2, sort=False))
+    real, calls = engine._score_batch, []
+
+    def third_fails(seqs):
+        calls.append(len(seqs))
+        if len(calls) == 3:
+            raise RuntimeError("simulated failure in the third batch")
+        return real(seqs)
+
+    monkeypatch.setattr(engine, "_score_batch", third_fails)
+    done = []
+    with pytest.raises(RuntimeError, match="third batch"):
+        engine.classify([f"ticket number {i}" for i in range(8)], on_results=done.extend)
+    assert sorted(i for i, _ in done) == [0, 1, 2, 3] and all(p.label for _, p in done)

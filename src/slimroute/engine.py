@@ -149,7 +149,11 @@ class Engine:
 
         for batch in plan_batches(lengths, cfg.batch_size, cfg.max_batch_tokens, cfg.sort, cfg.max_padding,
                                   cfg.batch_overhead_tokens):
-            rows, done = self._score_batch([item_ids[i] for i in batch])
+            try:
+                rows, done = self._score_batch([item_ids[i] for i in batch])
+            except BaseException:
+                finish()  # the batches before this one still hand out their answers (on_results) first
+                raise
             run.padding.add([lengths[i] for i in batch])
             run.num_batches += 1
             pending.append((batch, rows, done))

@@ -220,7 +220,7 @@ class RowBlockedLinear(nn.Module):
             for start in range(0, padded.shape[0], HEAD_BLOCK):
                 out[start:start + HEAD_BLOCK] = self._block(padded[start:start + HEAD_BLOCK], self.weight, self.bias)
         else:
-            buffer = torch.empty(HEAD_CHUNK, self.in_features)
+            buffer = torch.empty(HEAD_CHUNK, self.in_features, device=rows.device)
             for lo in range(0, self.out_features, HEAD_CHUNK):  # each slice made once, used by every row block
                 hi = min(lo + HEAD_CHUNK, self.out_features)
                 weight = expand_head(self.compact, lo, hi, buffer)
