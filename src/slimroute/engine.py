@@ -29,8 +29,9 @@ from slimroute.prefix_cache import PrefixCache, continue_cache
 from slimroute.scoring import LabelScorer
 from slimroute.task import Prompt, Task
 
-SCORER_ROWS = 64  # rows gathered (over small batches) before one label-scorer call: its vocabulary-wide GEMM
-# reads the whole output head once per call (the int8 path turns a compact head back into fp32 for it)
+SCORER_ROWS = 64  # rows per label-scorer call, gathered over small batches: its vocabulary-wide GEMM reads the
+# whole output head once per call (the int8 path turns a compact head back into fp32 for it), and never more rows
+# than this go in at once (each row's logits are 0.6 MB: a batch of 32 over many multi-token labels has thousands)
 
 
 @dataclass
@@ -133,7 +134,7 @@ class Engine:
 
         def finish() -> None:  # one scorer call for every pending batch's rows, then their decisions
             rows = [r for _, r, _ in pending if r is not None]
-            lps = self.scorer.logprobs(torch.cat(rows)) if rows else None  # (N, K)
+            lps = self._score_rows(torch.cat(rows)) if rows else None  # (N, K)
             start = 0
             for batch, batch_rows, done in pending:
                 n = 0 if batch_rows is None else batch_rows.shape[0]
@@ -242,8 +243,13 @@ class Engine:
 
     def _label_logprobs(self, last, cache, mask, ends) -> list[list[list[float]]]:
         """token_logprobs[row][label][k] from the batch's last hidden states (B, H) and its cache."""
-        return self._split_label_logprobs(self.scorer.logprobs(self._label_rows(last, cache, mask, ends)),
-                                          last.shape[0])
+        return self._split_label_logprobs(self._score_rows(self._label_rows(last, cache, mask, ends)), last.shape[0])
+
+    def _score_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The label tokens' log-probs (N, K) after each hidden state in rows (N, H), SCORER_ROWS at a time."""
+        if rows.shape[0] <= SCORER_ROWS:
+            return self.scorer.logprobs(rows)
+        return torch.cat([self.scorer.logprobs(rows[i:i + SCORER_ROWS]) for i in range(0, rows.shape[0], SCORER_ROWS)])
 
     def _label_rows(self, last, cache, mask, ends) -> torch.Tensor:
         """The hidden states whose next-token log-probs score the labels: the items' last ones (B, H), then, for
