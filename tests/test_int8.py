@@ -139,18 +139,25 @@ def test_row_blocked_head_rows_do_not_depend_on_the_batch(onednn):
         assert torch.equal(head(x[start:stop]), whole[start:stop])
 
 
-def test_invariant_attention_matches_eager_attention():
-    """The tiled kernel computes ordinary attention (fp32 rounding apart), with padding and a cached prefix."""
-    from transformers.models.qwen2.modeling_qwen2 import eager_attention_forward
-
+def causal_attention_inputs(batch: int, heads: int, queries: int, keys: int, dim: int, kv_heads: int = 2):
+    """Seeded random q (B, H, Lq, D), k and v (B, Hkv, Lk, D), and a causal boolean mask (B, 1, Lq, Lk) whose
+    queries are the last Lq positions (the keys before them: a cached prefix)."""
     torch.manual_seed(0)
-    batch, heads, kv_heads, queries, keys, dim = 3, 4, 2, 70, 150, 16
     q, k, v = torch.randn(batch, heads, queries, dim), torch.randn(batch, kv_heads, keys, dim), torch.randn(
         batch, kv_heads, keys, dim)
     positions = torch.arange(keys - queries, keys)
     allowed = (torch.arange(keys)[None, :] <= positions[:, None]).expand(batch, 1, queries, keys).clone()
+    return q, k, v, allowed
+
+
+def test_invariant_attention_matches_eager_attention():
+    """The tiled kernel computes ordinary attention (fp32 rounding apart), with padding and a cached prefix."""
+    from transformers.models.qwen2.modeling_qwen2 import eager_attention_forward
+
+    batch, heads, queries, keys, dim = 3, 4, 70, 150, 16
+    q, k, v, allowed = causal_attention_inputs(batch, heads, queries, keys, dim)
     allowed[1, :, :, 100:] = False  # row 1: padded keys, as in a right-padded batch
-    module = type("Attn", (), {"num_key_value_groups": heads // kv_heads, "training": False})()
+    module = type("Attn", (), {"num_key_value_groups": heads // k.shape[1], "training": False})()
     mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
     expected, _ = eager_attention_forward(module, q, k, v, mask, scaling=dim ** -0.5)
     got, _ = invariant_attention(module, q, k, v, allowed, scaling=dim ** -0.5)
@@ -162,12 +169,8 @@ def test_invariant_attention_bits_do_not_depend_on_the_query_chunks(monkeypatch)
     """Long inputs run QUERY_TILES query tiles per pass: the same bits as one pass over every query."""
     import slimroute.attention as attention
 
-    torch.manual_seed(0)
-    batch, heads, kv_heads, queries, keys, dim = 2, 4, 2, 200, 230, 16
-    q, k, v = torch.randn(batch, heads, queries, dim), torch.randn(batch, kv_heads, keys, dim), torch.randn(
-        batch, kv_heads, keys, dim)
-    positions = torch.arange(keys - queries, keys)
-    allowed = (torch.arange(keys)[None, :] <= positions[:, None]).expand(batch, 1, queries, keys).clone()
+    batch, heads, queries, keys, dim = 2, 4, 200, 230, 16
+    q, k, v, allowed = causal_attention_inputs(batch, heads, queries, keys, dim)
     allowed[1, :, :, 180:] = False
     assert queries > attention.TILE * attention.QUERY_TILES  # several chunks at the default
     chunked, _ = invariant_attention(None, q, k, v, allowed, scaling=dim ** -0.5)
@@ -363,12 +366,8 @@ def test_invariant_attention_plans_a_mask_once_and_drops_the_plan_with_it():
 
     import slimroute.attention as attention
 
-    torch.manual_seed(0)
-    batch, heads, kv_heads, queries, keys, dim = 2, 4, 2, 40, 50, 16
-    q, k, v = torch.randn(batch, heads, queries, dim), torch.randn(batch, kv_heads, keys, dim), torch.randn(
-        batch, kv_heads, keys, dim)
-    positions = torch.arange(keys - queries, keys)
-    allowed = (torch.arange(keys)[None, :] <= positions[:, None]).expand(batch, 1, queries, keys).clone()
+    batch, heads, queries, keys, dim = 2, 4, 40, 50, 16
+    q, k, v, allowed = causal_attention_inputs(batch, heads, queries, keys, dim)
     first, _ = invariant_attention(None, q, k, v, allowed, scaling=dim ** -0.5)
     plan = attention._plan[2]
     again, _ = invariant_attention(None, q, k, v, allowed, scaling=dim ** -0.5)

@@ -131,8 +131,10 @@ class Engine:
         lengths = [len(ids) for ids in item_ids]
         cfg = self.config
         pending: list[tuple[list[int], torch.Tensor | None, object]] = []  # batches waiting for the label scorer
+        waiting = 0  # their rows
 
         def finish() -> None:  # one scorer call for every pending batch's rows, then their decisions
+            nonlocal waiting
             rows = [r for _, r, _ in pending if r is not None]
             lps = self._score_rows(torch.cat(rows)) if rows else None  # (N, K)
             start = 0
@@ -147,6 +149,7 @@ class Engine:
                 if on_results:
                     on_results([(i, results[i]) for i in batch])
             pending.clear()
+            waiting = 0
 
         for batch in plan_batches(lengths, cfg.batch_size, cfg.max_batch_tokens, cfg.sort, cfg.max_padding,
                                   cfg.batch_overhead_tokens):
@@ -158,7 +161,8 @@ class Engine:
             run.padding.add([lengths[i] for i in batch])
             run.num_batches += 1
             pending.append((batch, rows, done))
-            if sum(0 if r is None else r.shape[0] for _, r, _ in pending) >= SCORER_ROWS or rows is None:
+            waiting += 0 if rows is None else rows.shape[0]
+            if waiting >= SCORER_ROWS or rows is None:
                 finish()
         finish()
         # the batches' activations stay out of the RSS once the call is done (not after each batch: the next batch
