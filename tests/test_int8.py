@@ -4,6 +4,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tiny import make_text, tiny_model
 from torch import nn
 
@@ -37,18 +38,23 @@ needs_onednn_int8 = pytest.mark.skipif(ONEDNN_INT8 is not None,
                                        reason=f"oneDNN's int8 linear does not run here: {ONEDNN_INT8}")
 
 
-def int8_model(arch: str, kernel: str = "fbgemm"):
+def int8_model(arch: str, kernel: str = "fbgemm", compiled: bool | None = None):
     model, tok = tiny_model(arch)
-    quantize_model(model, tokenizer=tok, kernel=kernel)  # with smoothing, as load_model does
+    quantize_model(model, tokenizer=tok, kernel=kernel, compiled=compiled)  # with smoothing, as load_model does
     assert set_attention(model) == "invariant"
     return model, tok
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama", pytest.param("qwen2-onednn", marks=needs_onednn_int8)])
+@pytest.fixture(scope="module", params=["qwen2", "llama", pytest.param("qwen2-onednn", marks=needs_onednn_int8),
+                                        "qwen2-eager"])
 def tiny_int8(request):
-    """The tiny models in int8; qwen2-onednn: through oneDNN's int8 kernel (AMX where the CPU has it)."""
-    arch, _, kernel = request.param.partition("-")
-    return int8_model(arch, kernel or "fbgemm")
+    """The tiny models in int8 as load_model makes them (the elementwise ops compiled where torch.compile works);
+    qwen2-onednn: through oneDNN's int8 kernel (AMX where the CPU has it); qwen2-eager: the elementwise ops
+    eager, as where torch.compile does not work."""
+    arch, _, variant = request.param.partition("-")
+    if variant == "eager":
+        return int8_model(arch, compiled=False)
+    return int8_model(arch, variant or "fbgemm")
 
 
 @needs_onednn_int8
@@ -393,3 +399,74 @@ def test_a_quantizer_feeds_only_its_own_kernel():
     assert torch.equal(scale, same_scale)
     with pytest.raises(ValueError, match="cannot feed the fbgemm kernel"):
         Int8Linear.from_linear(nn.Linear(64, 8), RowQuantizer(kernel="onednn"), kernel="fbgemm")
+
+
+def test_compiled_elementwise_gives_each_row_the_bits_it_gets_alone():
+    """The fused (torch.compile) quantiser and MLP gate: a row's integers and scale do not depend on the rows
+    around it (odd sizes: the vector loops' tails too); the quantiser's are eager's bits, the gate's eager's up to
+    the last bits of silu."""
+    from slimroute.int8 import EAGER, ZERO_POINT, Elementwise, elementwise
+
+    if not elementwise().compiled:
+        pytest.skip("torch.compile does not work here (see the warning logged by slimroute.int8.elementwise)")
+    fused = Elementwise(compiled=True)
+    generator = torch.Generator().manual_seed(4)
+    gate, up = torch.randn(37, 72, generator=generator) * 3, torch.randn(37, 72, generator=generator)
+    scale = torch.rand(37, 1, generator=generator) + 0.1
+    with torch.inference_mode():
+        for shift in (0, ZERO_POINT):
+            q, q_scale = fused.to_ints(gate, shift)
+            assert q.dtype == (torch.uint8 if shift else torch.float32)
+            eager_q, eager_scale = EAGER.to_ints(gate, shift)
+            assert torch.equal(q, eager_q) and torch.equal(q_scale, eager_scale)
+            hidden, hidden_scale = fused.gated_to_ints(gate, up, scale, shift)
+            eager_hidden, eager_hidden_scale = EAGER.gated_to_ints(gate, up, scale, shift)
+            assert (hidden.float() - eager_hidden.float()).abs().max() <= 1
+            assert torch.allclose(hidden_scale, eager_hidden_scale, rtol=1e-5)
+            for rows in (slice(0, 1), slice(5, 6), slice(3, 10), slice(30, 37)):
+                alone, alone_scale = fused.gated_to_ints(gate[rows], up[rows], scale[rows], shift)
+                assert torch.equal(alone, hidden[rows]) and torch.equal(alone_scale, hidden_scale[rows])
+                alone, alone_scale = fused.to_ints(gate[rows], shift)
+                assert torch.equal(alone, q[rows]) and torch.equal(alone_scale, q_scale[rows])
+
+
+def test_int8_model_fuses_its_gated_mlps_only_when_compiled():
+    from slimroute.int8 import Int8GatedMLP
+
+    compiled, _ = int8_model("qwen2", compiled=True)
+    eager, _ = int8_model("qwen2", compiled=False)
+    layers = compiled.get_decoder().layers
+    assert all(isinstance(layer.mlp, Int8GatedMLP) for layer in layers)
+    assert not any(isinstance(layer.mlp, Int8GatedMLP) for layer in eager.get_decoder().layers)
+    gelu = eager.get_decoder().layers[0].mlp
+    assert Int8GatedMLP.replaces(gelu)
+    gelu.act_fn = nn.GELU()  # another activation: not what Int8GatedMLP computes
+    assert not Int8GatedMLP.replaces(gelu)
+    mlp, x = layers[0].mlp, torch.randn(2, 5, layers[0].mlp.gate_proj.in_features)
+    with torch.inference_mode():  # the model's own forward on the same int8 layers
+        unfused = mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+        assert torch.allclose(mlp(x), unfused, rtol=1e-3, atol=1e-4)
+
+
+def test_compile_failure_falls_back_to_eager_with_a_note(monkeypatch, caplog):
+    """Where torch.compile fails (no C++ compiler, an unsupported platform), the int8 model runs its elementwise
+    ops eagerly, with one warning line; SLIMROUTE_COMPILE=0 asks for that without a warning."""
+    import slimroute.int8 as int8
+
+    def broken(fn, **kwargs):
+        def call(*args):
+            raise RuntimeError("simulated: no C++ compiler found")
+        return call
+
+    monkeypatch.setattr(int8, "_ELEMENTWISE", [])
+    monkeypatch.setattr(torch, "compile", broken)
+    with caplog.at_level("WARNING", logger="slimroute.int8"):
+        assert not int8.elementwise().compiled
+    assert "torch.compile does not work here (simulated: no C++ compiler found)" in caplog.text
+    assert len(caplog.records) == 1
+    caplog.clear()
+    monkeypatch.setattr(int8, "_ELEMENTWISE", [])
+    monkeypatch.setenv("SLIMROUTE_COMPILE", "0")
+    with caplog.at_level("WARNING", logger="slimroute.int8"):
+        assert not int8.elementwise().compiled
+    assert not caplog.records
