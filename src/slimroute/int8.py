@@ -166,11 +166,13 @@ EAGER = Elementwise(compiled=False)
 _ELEMENTWISE: list[Elementwise] = []
 
 
-def elementwise() -> Elementwise:
+def elementwise(kernel: str = "fbgemm") -> Elementwise:
     """What quantize_model gives a model: compiled where torch.compile works here (decided once per process, on a
-    probe), else eager with a one-line note; SLIMROUTE_COMPILE=0 keeps them eager."""
+    probe compiling them for the kernel's integers: 2 s, 8-15 s the first time on a machine), else eager with a
+    one-line note; SLIMROUTE_COMPILE=0 keeps them eager."""
     if not _ELEMENTWISE:
-        problem = "SLIMROUTE_COMPILE=0" if os.environ.get("SLIMROUTE_COMPILE", "1") == "0" else _compile_problem()
+        problem = ("SLIMROUTE_COMPILE=0" if os.environ.get("SLIMROUTE_COMPILE", "1") == "0"
+                   else _compile_problem(_SHIFT[kernel]))
         if problem and not problem.startswith("SLIMROUTE_COMPILE"):
             log.warning("int8: torch.compile does not work here (%s); the elementwise ops run eagerly (slower, "
                         "same batch invariance)", problem)
@@ -178,21 +180,20 @@ def elementwise() -> Elementwise:
     return _ELEMENTWISE[0]
 
 
-def _compile_problem() -> str:
+def _compile_problem(shift: int) -> str:
     """"" when the compiled elementwise functions run here and each row's result is the row's alone, else what
-    went wrong (no C++ compiler, an unsupported platform...). Compiles them for both kernels' integer forms."""
+    went wrong (no C++ compiler, an unsupported platform...). Compiles them for integers shifted by shift."""
     fused = Elementwise(compiled=True)
     generator = torch.Generator().manual_seed(0)
     gate, up = torch.randn(6, 40, generator=generator), torch.randn(6, 40, generator=generator)
     scale = torch.rand(6, 1, generator=generator) + 0.5
     try:
         with torch.inference_mode():  # the mode the engine and the reference run in (no recompiling there)
-            for shift in set(_SHIFT.values()):
-                q, row_scale = fused.gated_to_ints(gate, up, scale, shift)
-                part, part_scale = fused.gated_to_ints(gate[2:5], up[2:5], scale[2:5], shift)
-                if not (torch.equal(part, q[2:5]) and torch.equal(part_scale, row_scale[2:5])):
-                    return "a row's compiled result depends on the other rows"
-                fused.to_ints(gate, shift)
+            q, row_scale = fused.gated_to_ints(gate, up, scale, shift)
+            part, part_scale = fused.gated_to_ints(gate[2:5], up[2:5], scale[2:5], shift)
+            if not (torch.equal(part, q[2:5]) and torch.equal(part_scale, row_scale[2:5])):
+                return "a row's compiled result depends on the other rows"
+            fused.to_ints(gate, shift)
     except Exception as exc:  # noqa: BLE001 - torch.compile fails in many ways (compiler, platform, backend)
         return _why(exc)
     return ""
@@ -433,7 +434,7 @@ def quantize_model(model: nn.Module, cache_file: Path | None = None, tokenizer=N
     factors, params = smoothing_factors(model, tokenizer) if tokenizer is not None and not cached else ({}, {})
     made: dict[str, torch.Tensor] = {f"param.{name}": value.contiguous() for name, value in params.items()}
     groups = [_input_group(name) for name, _ in targets]
-    fused = elementwise() if compiled is None else Elementwise(compiled)
+    fused = elementwise(kernel) if compiled is None else Elementwise(compiled)
     quantizers = {group: RowQuantizer(groups.count(group), kernel, fused) for group in groups}
     mapped = FileMappedMemory()
     stored_head: dict[str, torch.Tensor] | None = None
