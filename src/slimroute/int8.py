@@ -171,13 +171,30 @@ def elementwise(kernel: str = "fbgemm") -> Elementwise:
     probe compiling them for the kernel's integers: 2 s, 8-15 s the first time on a machine), else eager with a
     one-line note; SLIMROUTE_COMPILE=0 keeps them eager."""
     if not _ELEMENTWISE:
-        problem = ("SLIMROUTE_COMPILE=0" if os.environ.get("SLIMROUTE_COMPILE", "1") == "0"
-                   else _compile_problem(_SHIFT[kernel]))
+        compiling = os.environ.get("SLIMROUTE_COMPILE", "1") != "0"
+        if compiling:
+            _use_inductor_cache_for_this_cpu()
+        problem = _compile_problem(_SHIFT[kernel]) if compiling else "SLIMROUTE_COMPILE=0"
         if problem and not problem.startswith("SLIMROUTE_COMPILE"):
             log.warning("int8: torch.compile does not work here (%s); the elementwise ops run eagerly (slower, "
                         "same batch invariance)", problem)
         _ELEMENTWISE.append(Elementwise(compiled=not problem))
     return _ELEMENTWISE[0]
+
+
+def _use_inductor_cache_for_this_cpu() -> None:
+    """Inductor keeps its compiled kernels in one cache per CPU capability (unless TORCHINDUCTOR_CACHE_DIR is set):
+    its own cache key leaves the vector ISA out, and kernels compiled under AVX-512 read back with torch held to
+    AVX2 (ATEN_CPU_CAPABILITY=avx2) gave garbage and corrupted the heap. Under slimroute's cache, so it also
+    outlives /tmp."""
+    import platform
+
+    from slimroute.models import cache_dir
+
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        capability = torch.backends.cpu.get_cpu_capability().lower()
+        folder = f"torch-{torch.__version__}-{platform.machine()}-{capability}"
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor" / folder)
 
 
 def _compile_problem(shift: int) -> str:
