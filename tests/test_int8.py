@@ -487,6 +487,11 @@ def test_inductor_cache_is_kept_per_cpu_capability(monkeypatch, tmp_path):
         int8._use_inductor_cache_for_this_cpu()
         folder = os.environ["TORCHINDUCTOR_CACHE_DIR"]
         assert folder.startswith(str(tmp_path / "inductor")) and folder.endswith(capability.lower())
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # what torch sets when it first looks
+    int8._use_inductor_cache_for_this_cpu()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp_path / "inductor"))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     int8._use_inductor_cache_for_this_cpu()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")

@@ -183,7 +183,8 @@ def elementwise(kernel: str = "fbgemm") -> Elementwise:
 
 
 def _use_inductor_cache_for_this_cpu() -> None:
-    """Inductor keeps its compiled kernels in one cache per CPU capability (unless TORCHINDUCTOR_CACHE_DIR is set):
+    """Inductor keeps its compiled kernels in one cache per CPU capability (unless TORCHINDUCTOR_CACHE_DIR is set
+    to a folder of one's own):
     its own cache key leaves the vector ISA out, and kernels compiled under AVX-512 read back with torch held to
     AVX2 (ATEN_CPU_CAPABILITY=avx2) gave garbage and corrupted the heap. Under slimroute's cache, so it also
     outlives /tmp."""
@@ -191,7 +192,13 @@ def _use_inductor_cache_for_this_cpu() -> None:
 
     from slimroute.models import cache_dir
 
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    try:  # torch sets the variable to its default when it first looks (transformers' generate can make it look)
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        default = default_cache_dir()
+    except (ImportError, AttributeError):
+        default = None
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default):
         capability = torch.backends.cpu.get_cpu_capability().lower()
         folder = f"torch-{torch.__version__}-{platform.machine()}-{capability}"
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor" / folder)
