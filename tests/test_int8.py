@@ -441,10 +441,10 @@ def test_int8_model_fuses_its_gated_mlps_only_when_compiled():
     layers = compiled.get_decoder().layers
     assert all(isinstance(layer.mlp, Int8GatedMLP) for layer in layers)
     assert not any(isinstance(layer.mlp, Int8GatedMLP) for layer in eager.get_decoder().layers)
-    gelu = eager.get_decoder().layers[0].mlp
-    assert Int8GatedMLP.replaces(gelu)
-    gelu.act_fn = nn.GELU()  # another activation: not what Int8GatedMLP computes
-    assert not Int8GatedMLP.replaces(gelu)
+    plain = eager.get_decoder().layers[0].mlp
+    assert Int8GatedMLP.replaces(plain)
+    plain.act_fn = nn.GELU()  # another activation: not what Int8GatedMLP computes
+    assert not Int8GatedMLP.replaces(plain)
     mlp, x = layers[0].mlp, torch.randn(2, 5, layers[0].mlp.gate_proj.in_features)
     with torch.inference_mode():  # the model's own forward on the same int8 layers
         unfused = mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))

@@ -24,6 +24,10 @@ else fbgemm.
 
 Quantised weights are made once per checkpoint and cached (int8_cache_file); later loads read only the int8 file and
 leave the fp32 weights' pages of the memory-mapped checkpoint untouched.
+
+The elementwise work around the GEMMs (quantising rows; a gated MLP's scales, silu, product and the down projection's
+quantising: Int8GatedMLP) is compiled by torch.compile where it works here (elementwise()), else eager: the same
+row-local arithmetic either way.
 """
 
 from __future__ import annotations
@@ -183,11 +187,10 @@ def elementwise(kernel: str = "fbgemm") -> Elementwise:
 
 
 def _use_inductor_cache_for_this_cpu() -> None:
-    """Inductor keeps its compiled kernels in one cache per CPU capability (unless TORCHINDUCTOR_CACHE_DIR is set
-    to a folder of one's own):
-    its own cache key leaves the vector ISA out, and kernels compiled under AVX-512 read back with torch held to
-    AVX2 (ATEN_CPU_CAPABILITY=avx2) gave garbage and corrupted the heap. Under slimroute's cache, so it also
-    outlives /tmp."""
+    """Give Inductor's compiled kernels one cache per CPU capability, under slimroute's cache (so it also outlives
+    /tmp), unless TORCHINDUCTOR_CACHE_DIR names a folder of one's own: Inductor's cache key leaves the vector ISA
+    out, and kernels compiled under AVX-512, read back with torch held to AVX2 (ATEN_CPU_CAPABILITY=avx2), gave
+    garbage and corrupted the heap."""
     import platform
 
     from slimroute.models import cache_dir
