@@ -175,14 +175,15 @@ def elementwise(kernel: str = "fbgemm") -> Elementwise:
     probe compiling them for the kernel's integers: 2 s, 8-15 s the first time on a machine), else eager with a
     one-line note; SLIMROUTE_COMPILE=0 keeps them eager."""
     if not _ELEMENTWISE:
-        compiling = os.environ.get("SLIMROUTE_COMPILE", "1") != "0"
-        if compiling:
+        fused = EAGER
+        if os.environ.get("SLIMROUTE_COMPILE", "1") != "0":
             _use_inductor_cache_for_this_cpu()
-        problem = _compile_problem(_SHIFT[kernel]) if compiling else "SLIMROUTE_COMPILE=0"
-        if problem and not problem.startswith("SLIMROUTE_COMPILE"):
-            log.warning("int8: torch.compile does not work here (%s); the elementwise ops run eagerly (slower, "
-                        "same batch invariance)", problem)
-        _ELEMENTWISE.append(Elementwise(compiled=not problem))
+            fused = Elementwise(compiled=True)
+            if problem := _compile_problem(fused, _SHIFT[kernel]):
+                log.warning("int8: torch.compile does not work here (%s); the elementwise ops run eagerly (slower, "
+                            "same batch invariance)", problem)
+                fused = EAGER
+        _ELEMENTWISE.append(fused)
     return _ELEMENTWISE[0]
 
 
@@ -207,10 +208,9 @@ def _use_inductor_cache_for_this_cpu() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor" / folder)
 
 
-def _compile_problem(shift: int) -> str:
-    """"" when the compiled elementwise functions run here and each row's result is the row's alone, else what
-    went wrong (no C++ compiler, an unsupported platform...). Compiles them for integers shifted by shift."""
-    fused = Elementwise(compiled=True)
+def _compile_problem(fused: Elementwise, shift: int) -> str:
+    """"" when fused's compiled functions run here and each row's result is the row's alone, else what went wrong
+    (no C++ compiler, an unsupported platform...). Compiles them for integers shifted by shift."""
     generator = torch.Generator().manual_seed(0)
     gate, up = torch.randn(6, 40, generator=generator), torch.randn(6, 40, generator=generator)
     scale = torch.rand(6, 1, generator=generator) + 0.5
@@ -299,6 +299,7 @@ class Int8GatedMLP(nn.Module):
     def __init__(self, gate_proj: Int8Linear, up_proj: Int8Linear, down_proj: Int8Linear, fused: Elementwise):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+        self.quantizer = RowQuantizer(kernel=down_proj.kernel, fused=fused)  # x, once for gate and up
         self.shift = _SHIFT[down_proj.kernel]
         self.fused = fused
 
@@ -314,10 +315,9 @@ class Int8GatedMLP(nn.Module):
             act(probe), F.silu(probe))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = self.fused
-        q, scale = fused.to_ints(x.reshape(-1, x.shape[-1]).float(), self.shift)
-        hidden, hidden_scale = fused.gated_to_ints(self.gate_proj.integer_product(q), self.up_proj.integer_product(q),
-                                                   scale, self.shift)
+        q, scale = self.quantizer(x)
+        hidden, hidden_scale = self.fused.gated_to_ints(self.gate_proj.integer_product(q),
+                                                        self.up_proj.integer_product(q), scale, self.shift)
         out = self.down_proj.integer_product(hidden).mul_(hidden_scale)
         return out.view(*x.shape[:-1], self.down_proj.out_features)
 
@@ -461,7 +461,7 @@ def quantize_model(model: nn.Module, cache_file: Path | None = None, tokenizer=N
     factors, params = smoothing_factors(model, tokenizer) if tokenizer is not None and not cached else ({}, {})
     made: dict[str, torch.Tensor] = {f"param.{name}": value.contiguous() for name, value in params.items()}
     groups = [_input_group(name) for name, _ in targets]
-    fused = elementwise(kernel) if compiled is None else Elementwise(compiled)
+    fused = elementwise(kernel) if compiled is None else Elementwise(compiled=True) if compiled else EAGER
     quantizers = {group: RowQuantizer(groups.count(group), kernel, fused) for group in groups}
     mapped = FileMappedMemory()
     stored_head: dict[str, torch.Tensor] | None = None
