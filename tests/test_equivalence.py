@@ -3,6 +3,7 @@
 import random
 
 import pytest
+import torch
 from conftest import _cached
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -154,3 +155,38 @@ def test_a_failing_batch_still_hands_out_the_answers_of_the_batches_before_it(ti
     with pytest.raises(RuntimeError, match="third batch"):
         engine.classify([f"ticket number {i}" for i in range(8)], on_results=done.extend)
     assert sorted(i for i, _ in done) == [0, 1, 2, 3] and all(p.label for _, p in done)
+
+
+def test_the_last_layers_mlp_runs_only_on_the_rows_read(tiny_qwen):
+    """Only the items' last tokens leave the last decoder layer's MLP (engine.rows_only): it sees B rows, not
+    B x L, the answers are those of the whole pass, and the hooks are gone afterwards."""
+    from slimroute.engine import rows_only
+
+    model, tok = tiny_qwen
+    engine = Engine(model, tok, Task(LABEL_SETS["multi"]), EngineConfig(batch_size=8))
+    mlp = engine._last_mlp
+    assert mlp is model.base_model.layers[-1].mlp
+    seen = []
+    handle = mlp.register_forward_hook(lambda _, args, out: seen.append(args[0].shape))
+    rng = random.Random(5)
+    texts = [make_text(rng, rng.choice([3, 20, 60])) for _ in range(8)]
+    try:
+        pruned = engine.classify(texts)
+    finally:
+        handle.remove()
+    pruned_calls = [shape for shape in seen if len(shape) == 2]  # a batch's forward: (B, H), one row per item
+    assert sum(shape[0] for shape in pruned_calls) == len(texts) and len(pruned_calls) == engine.last_stats.num_batches
+    assert all(len(shape) == 3 for shape in seen if len(shape) != 2)  # a continuation: every row (B, n-1, H)
+    assert not mlp._forward_hooks and not mlp._forward_pre_hooks
+    engine._last_mlp = None
+    assert_equal(pruned, engine.classify(texts), tol=1e-5)
+
+    x = torch.randn(2, 3, 4)
+    index = torch.tensor([1, 5])
+    layer = torch.nn.Linear(4, 4)
+    with rows_only(layer, index):
+        out = layer(x)
+    expected = torch.zeros(2, 3, 4)
+    expected.view(-1, 4)[index] = layer(x.view(-1, 4)[index])
+    assert torch.equal(out, expected)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))  # hooks removed

@@ -127,7 +127,10 @@ def test_features_are_the_reference_hidden_states(tiny, prefix_cache):
         assert torch.allclose(row[2 * hidden:3 * hidden], layer_1.mean(dim=0), atol=1e-5)
         totals = [sum(lps) for lps in ref._label_logprobs(prompt_ids)]
         assert torch.allclose(row[3 * hidden:], torch.tensor(totals, dtype=torch.float64), atol=1e-4)
-    assert torch.equal(engine.features(texts, with_label_logprobs=True)[:, :hidden], features[:, :hidden])
+    # the last state alone: the last layer's MLP then runs on the last rows only (engine.rows_only), and an fp32
+    # GEMM's rounding may follow its row count
+    assert torch.allclose(engine.features(texts, with_label_logprobs=True)[:, :hidden], features[:, :hidden],
+                          atol=1e-5)
     assert torch.equal(engine.features(texts, states="last+mean"), features[:, :2 * hidden])
     assert torch.equal(engine.features(texts, states="mean"), features[:, hidden:2 * hidden])
     assert engine.features([]).shape[0] == 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -75,6 +76,8 @@ class Engine:
         tokens = [tok for ids in self.label_ids for tok in ids]
         self.scorer = LabelScorer(model.get_output_embeddings(), tokens)
         self.prefix = PrefixCache(model, self.prompt.prefix_ids) if self.config.prefix_cache else None
+        layers = getattr(model.base_model, "layers", None)
+        self._last_mlp = getattr(layers[-1], "mlp", None) if isinstance(layers, torch.nn.ModuleList) else None
         self.stats = EngineStats()  # totals over the engine's life
         check_head(self.head, calibration)
         self.calibration = calibration.check(self.labels, self.answer_ids) if calibration is not None else None
@@ -232,11 +235,17 @@ class Engine:
         prefix_mask = torch.ones(batch, offset, dtype=item_mask.dtype, device=self.device)
         mask = torch.cat([prefix_mask, item_mask], dim=1)  # (B, P + L)
         positions = offset + torch.arange(width, device=self.device).expand(batch, -1)  # (B, L)
-        out = self.model.base_model(
-            input_ids=input_ids, attention_mask=mask, position_ids=positions,
-            cache=cache, use_cache=True, output_hidden_states=bool(layers),
-        )
-        last = out.last_hidden_state[torch.arange(batch, device=self.device), lengths - 1]  # (B, H)
+        rows = torch.arange(batch, device=self.device)
+        # Only the last real tokens' final hidden states are read (unless the head averages states or reads
+        # layers): the last layer's MLP runs on those rows alone (rows are independent; the cache, all the
+        # label scorer needs besides, comes from the attention, which still sees every position)
+        last_rows = rows * width + lengths - 1 if states == "last" and not layers else None
+        with rows_only(self._last_mlp, last_rows):
+            out = self.model.base_model(
+                input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                cache=cache, use_cache=True, output_hidden_states=bool(layers),
+            )
+        last = out.last_hidden_state[rows, lengths - 1]  # (B, H)
         views = last
         if states != "last" or layers:  # the item's own tokens: without the prefix, cached or part of the sequence
             skip = 0 if self.prefix else len(self.prompt.prefix_ids)
@@ -292,3 +301,30 @@ class Engine:
             cache=continue_cache(cache, self.model.config), use_cache=True,
         )
         return out.last_hidden_state  # (B, n-1, H)
+
+
+@contextmanager
+def rows_only(module: torch.nn.Module | None, index: torch.Tensor | None):
+    """While inside, module (a row-wise one: an MLP) runs only on the rows `index` of its flattened (..., H)
+    input; the other rows of its output are zeros. Nothing changes when module or index is None."""
+    if module is None or index is None:
+        yield
+        return
+    shape: list[torch.Size] = []
+
+    def take(_, args):
+        (x,) = args
+        shape.append(x.shape)
+        return (x.reshape(-1, x.shape[-1]).index_select(0, index),)
+
+    def put(_, args, out):
+        full = out.new_zeros(*shape.pop()[:-1], out.shape[-1])
+        full.view(-1, out.shape[-1]).index_copy_(0, index, out)
+        return full
+
+    handles = (module.register_forward_pre_hook(take), module.register_forward_hook(put))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
