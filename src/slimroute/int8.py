@@ -18,9 +18,9 @@ quantising, activation outliers are moved into the weights (smoothing.py), folde
 
 Two kernels give the same bits (integers add exactly in any order; the scales multiply each output element alike):
 fbgemm's (`torch.ops.quantized`, AVX2 and VNNI) and oneDNN's (`torch.ops.onednn.qlinear_pointwise`), which runs on
-AMX tiles where the CPU has AMX-INT8 (Intel Xeon since Sapphire Rapids): 2.5x fbgemm's rate there (538 against 215
-GOP/s on the MLP's shape, 2 threads). pick_kernel takes oneDNN on AMX CPUs when a probe layer gives fbgemm's bits,
-else fbgemm.
+AMX tiles where the CPU has AMX-INT8 (Intel Xeon since Sapphire Rapids): 4x fbgemm's rate there (4.0-4.3 against
+0.9-1.0 TOP/s on the model's shapes at 512 rows, 2 threads). pick_kernel takes oneDNN on AMX CPUs when a probe
+layer gives fbgemm's bits, else fbgemm.
 
 Quantised weights are made once per checkpoint and cached (int8_cache_file); later loads read only the int8 file and
 leave the fp32 weights' pages of the memory-mapped checkpoint untouched.
