@@ -190,3 +190,5 @@ def test_the_last_layers_mlp_runs_only_on_the_rows_read(tiny_qwen):
     expected.view(-1, 4)[index] = layer(x.view(-1, 4)[index])
     assert torch.equal(out, expected)
     assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))  # hooks removed
+    with rows_only(layer, index):
+        assert torch.equal(layer(input=x), layer.forward(x))  # called with a keyword: the whole input, untouched

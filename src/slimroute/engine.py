@@ -310,15 +310,20 @@ def rows_only(module: torch.nn.Module | None, index: torch.Tensor | None):
     if module is None or index is None:
         yield
         return
-    shape: list[torch.Size] = []
+    shape: list[torch.Size | None] = []
 
     def take(_, args):
-        (x,) = args
+        if len(args) != 1 or not isinstance(args[0], torch.Tensor):  # called another way: left whole
+            shape.append(None)
+            return None
+        x = args[0]
         shape.append(x.shape)
         return (x.reshape(-1, x.shape[-1]).index_select(0, index),)
 
     def put(_, args, out):
-        full = out.new_zeros(*shape.pop()[:-1], out.shape[-1])
+        if (whole := shape.pop()) is None:
+            return None
+        full = out.new_zeros(*whole[:-1], out.shape[-1])
         full.view(-1, out.shape[-1]).index_copy_(0, index, out)
         return full
 
