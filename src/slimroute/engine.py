@@ -306,7 +306,9 @@ class Engine:
 @contextmanager
 def rows_only(module: torch.nn.Module | None, index: torch.Tensor | None):
     """While inside, module (a row-wise one: an MLP) runs only on the rows `index` of its flattened (..., H)
-    input; the other rows of its output are zeros. Nothing changes when module or index is None."""
+    input; the other rows of its output are zeros. Nothing changes when module or index is None. The hooks are
+    the module's while inside, so one forward pass at a time per model (as the server's one worker thread runs
+    them; int8's row quantisers already ask for that)."""
     if module is None or index is None:
         yield
         return
