@@ -46,6 +46,8 @@ def test_bench_runs_on_any_cpu_skips_what_it_cannot_run_and_survives_a_failing_r
     assert "int8" in record["vs_fp32"]
     table = markdown(record, "slimroute bench --quick")
     assert "skipped: --dtype bfloat16 cannot run here" in table and "**int8**" in table
+    assert record["wall_s"] > sum(r["seconds"] or 0 for r in record["rows"])  # the whole bench, loads included
+    assert " in all" in table.splitlines()[0]
     from slimroute.peers import llama_cpp_unavailable_reason
 
     reason = llama_cpp_unavailable_reason()

@@ -183,6 +183,7 @@ def run_bench(n=600, batch_size=32, dtypes=None, model="qwen2.5-coder-0.5b", thr
     """dtypes: None for every dtype (one this CPU cannot run becomes a row saying why).
     ablation: also each technique alone, default torch kernels, batching by count and a few-shot prefix (the
     first dtype). recheck_margin: also run bf16 with the near-tie recheck."""
+    started = time.perf_counter()
     if quick:
         n = min(n, 100)
     cpu = detect()
@@ -232,7 +233,8 @@ def run_bench(n=600, batch_size=32, dtypes=None, model="qwen2.5-coder-0.5b", thr
     return {"machine": machine_info(threads, cpu), "n": n, "batch_size": batch_size, "model": model,
             "auto_dtype": {"dtype": auto.name, "reason": auto.reason}, "attention": attention,
             "recheck_margin": recheck_margin, "vs_fp32": drift, "classify_process": fresh, "llama_cpp": peer,
-            "rows": [{**asdict(r), "items_per_s": r.items_per_s} for r in rows]}
+            "rows": [{**asdict(r), "items_per_s": r.items_per_s} for r in rows],
+            "wall_s": time.perf_counter() - started}  # the whole bench, loads included
 
 
 @dataclass(frozen=True)
@@ -378,12 +380,18 @@ def fmt_sci(x):
     return "-" if x is None else f"{x:.1e}"
 
 
+def _minutes(seconds: float) -> str:
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes} min {rest} s" if minutes else f"{rest} s"
+
+
 def markdown(record: dict, command: str) -> str:
     m = record["machine"]
     auto = record.get("auto_dtype") or {}
     lines = [
         f"`{command}` — {record['n']} tickets, {record['model']}, {m.get('cpu_summary', m['cpu'])}, "
-        f"{m['threads']} threads, torch {m['torch']}, git {m['git_sha']}, {m['date']}",
+        f"{m['threads']} threads, torch {m['torch']}, git {m['git_sha']}, {m['date']}"
+        + (f", {_minutes(record['wall_s'])} in all" if record.get("wall_s") else ""),
         "",
         f"`--dtype auto` on this CPU: **{auto.get('dtype', '?')}** ({auto.get('reason', '?')})",
         "",
