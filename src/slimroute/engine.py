@@ -1,9 +1,10 @@
 """Engine.classify(texts): the one hot loop. No logging, HTTP or Ray in here.
 
 Per batch: right-padded item ids run after an expanded copy of the prefix cache (positions
-continue after the prefix), the hidden state at each item's last real token is scored against
-the label tokens' head rows, and each multi-token label's continuation is scored in one extra
-batched step over a non-mutating copy of the batch's cache. With a tuned head (head.py) that same
+continue after the prefix), the hidden state at each item's last real token (the last layer's MLP
+runs on those rows alone: rows_only) is scored against the label tokens' head rows, and each
+multi-token label's continuation is scored in one extra batched step over a non-mutating copy of the
+batch's cache. With a tuned head (head.py) that same
 hidden state (and, if the head uses them, the label log-probs) goes through the head instead, whose
 labels are the answers; `features` hands the head's inputs out for tuning. Calibration offsets, when
 set, are subtracted from the label log-probs before the decision, exactly as in the reference (a head is
