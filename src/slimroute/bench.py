@@ -380,7 +380,7 @@ def fmt_sci(x):
     return "-" if x is None else f"{x:.1e}"
 
 
-def _minutes(seconds: float) -> str:
+def fmt_duration(seconds: float) -> str:
     minutes, rest = divmod(round(seconds), 60)
     return f"{minutes} min {rest} s" if minutes else f"{rest} s"
 
@@ -391,7 +391,7 @@ def markdown(record: dict, command: str) -> str:
     lines = [
         f"`{command}` — {record['n']} tickets, {record['model']}, {m.get('cpu_summary', m['cpu'])}, "
         f"{m['threads']} threads, torch {m['torch']}, git {m['git_sha']}, {m['date']}"
-        + (f", {_minutes(record['wall_s'])} in all" if record.get("wall_s") else ""),
+        + (f", {fmt_duration(record['wall_s'])} in all" if record.get("wall_s") else ""),
         "",
         f"`--dtype auto` on this CPU: **{auto.get('dtype', '?')}** ({auto.get('reason', '?')})",
         "",

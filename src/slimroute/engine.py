@@ -77,8 +77,8 @@ class Engine:
         tokens = [tok for ids in self.label_ids for tok in ids]
         self.scorer = LabelScorer(model.get_output_embeddings(), tokens)
         self.prefix = PrefixCache(model, self.prompt.prefix_ids) if self.config.prefix_cache else None
-        layers = getattr(model.base_model, "layers", None)
-        self._last_mlp = getattr(layers[-1], "mlp", None) if isinstance(layers, torch.nn.ModuleList) else None
+        layers = decoder_layers(model)
+        self._last_mlp = getattr(layers[-1], "mlp", None) if layers else None
         self.stats = EngineStats()  # totals over the engine's life
         check_head(self.head, calibration)
         self.calibration = calibration.check(self.labels, self.answer_ids) if calibration is not None else None
@@ -302,6 +302,11 @@ class Engine:
             cache=continue_cache(cache, self.model.config), use_cache=True,
         )
         return out.last_hidden_state  # (B, n-1, H)
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's transformer blocks: its first ModuleList (`model.layers` in Qwen2, Llama, Mistral...); [] if none."""
+    return next((list(m) for m in model.modules() if isinstance(m, torch.nn.ModuleList)), [])
 
 
 @contextmanager

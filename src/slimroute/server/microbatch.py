@@ -306,8 +306,10 @@ class MicroBatcher:
 
 
 def transformer_layers(engines: dict) -> list:
-    """The blocks of each distinct model the engines run (the first ModuleList in it: `model.layers`)."""
+    """The blocks of each distinct model the engines run (engine.decoder_layers)."""
     import torch
+
+    from slimroute.engine import decoder_layers
 
     layers, seen = [], set()
     for engine in engines.values():
@@ -315,7 +317,7 @@ def transformer_layers(engines: dict) -> list:
         if not isinstance(model, torch.nn.Module) or id(model) in seen:
             continue
         seen.add(id(model))
-        layers += next((list(m) for m in model.modules() if isinstance(m, torch.nn.ModuleList)), [])
+        layers += decoder_layers(model)
     return layers
 
 
