@@ -149,9 +149,25 @@ def reference(tmp_path_factory, model_dir, src):
     return folder
 
 
-def start_cli(args, log) -> subprocess.Popen:
-    env = {**os.environ, "COLUMNS": "1000"}
-    command = [sys.executable, "-m", "slimroute.cli", *args]
+# The CLI, with one change: after committing window PAUSE_AFTER it sleeps (a minute at most), so a job
+# the test means to interrupt cannot finish first, however late a loaded machine schedules the test.
+PACED_CLI = """
+import os, sys, time
+from slimroute import cli, output
+pause_after, commit = int(os.environ["PAUSE_AFTER"]), output.DurableOutput.commit
+def paced(self, *args):
+    commit(self, *args)
+    if self.record.windows_done == pause_after:
+        time.sleep(60)
+output.DurableOutput.commit = paced
+sys.argv[0] = "slimroute"
+sys.exit(cli.main())
+"""
+
+
+def start_cli(args, log, pause_after: int) -> subprocess.Popen:
+    env = {**os.environ, "COLUMNS": "1000", "PAUSE_AFTER": str(pause_after)}
+    command = [sys.executable, "-c", PACED_CLI, *args]
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
@@ -163,9 +179,10 @@ def committed_windows(out) -> int:
 
 
 def interrupt_after(args, out, k: int, log, sig=signal.SIGKILL, delay: float = 0, timeout: float = 60) -> int:
-    """Run the CLI, send `sig` once k windows are committed (plus `delay` s); its exit code."""
+    """Run the CLI, send `sig` once k windows are committed (plus `delay` s: anywhere in window k + 1, which
+    is where the CLI pauses); its exit code."""
     with open(log, "wb") as f:
-        proc = start_cli(args, f)
+        proc = start_cli(args, f, pause_after=k + 1)
         deadline = time.monotonic() + timeout
         while committed_windows(out) < k:
             assert proc.poll() is None, f"the job ended (rc {proc.returncode}) before {k} windows"
