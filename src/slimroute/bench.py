@@ -35,6 +35,11 @@ from slimroute.task import Example, Task, encode, render_prompt
 from slimroute.verify import compare
 
 LABELS = ("billing", "technical", "account")
+# --quick's tickets. Its one-at-a-time rows (plain generate, the references, llama.cpp) are four fifths of its time;
+# a real Zen 3 (AVX2, 2 cores) took about 3.3 s per ticket over all rows at git d4c4a62, so 50 tickets keep the
+# whole run, loads and a first torch.compile included, under ~5 minutes there (100 took 4 min 21 s even on the
+# faster AVX2-emulating Xeon).
+QUICK_N = 50
 FEW_SHOT = (  # two short labelled examples per label, kept in the cached prefix
     Example("I was charged twice for my subscription this month, please refund one payment.", "billing"),
     Example("The invoice shows the wrong amount and my card was billed early.", "billing"),
@@ -185,7 +190,7 @@ def run_bench(n=600, batch_size=32, dtypes=None, model="qwen2.5-coder-0.5b", thr
     first dtype). recheck_margin: also run bf16 with the near-tie recheck."""
     started = time.perf_counter()
     if quick:
-        n = min(n, 100)
+        n = min(n, QUICK_N)
     cpu = detect()
     dtypes = tuple(dtypes or [d for d in DTYPE_NAMES if d != "auto"])
     tickets = synthetic_tickets(600, 0)[:n]

@@ -551,7 +551,7 @@ def bench(
     batch_size: int = BATCH, max_batch_tokens: int = MAX_TOKENS, model: str = MODEL, threads: int = THREADS,
     dtype: list[str] = typer.Option(None, "--dtype", help="Repeat for several (default: float32, bfloat16, int8; "
                                                           "one this CPU cannot run is a row saying why)."),
-    quick: bool = typer.Option(False, "--quick", help="100 tickets, main rows only."),
+    quick: bool = typer.Option(False, "--quick", help="50 tickets (bench.QUICK_N), main rows only."),
     ablation: bool = typer.Option(False, "--ablation", help="Also each technique alone and a few-shot prefix."),
     out: Path = typer.Option(Path("bench-results"), "--out", help="Folder for bench.json / bench.md / bench.png."),
     plot: bool = typer.Option(False, "--plot", help="Also write a PNG bar chart."),
