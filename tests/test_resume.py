@@ -179,8 +179,8 @@ def committed_windows(out) -> int:
 
 
 def interrupt_after(args, out, k: int, log, sig=signal.SIGKILL, delay: float = 0, timeout: float = 60) -> int:
-    """Run the CLI, send `sig` once k windows are committed (plus `delay` s: anywhere in window k + 1, which
-    is where the CLI pauses); its exit code."""
+    """Run the CLI, send `sig` once k windows are committed (plus `delay` s: during window k + 1 or in the
+    pause after it, see PACED_CLI); its exit code."""
     with open(log, "wb") as f:
         proc = start_cli(args, f, pause_after=k + 1)
         deadline = time.monotonic() + timeout
