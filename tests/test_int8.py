@@ -50,7 +50,7 @@ def int8_model(arch: str, kernel: str = "fbgemm", compiled: bool | None = None):
                                         "qwen2-eager"])
 def tiny_int8(request):
     """The tiny models in int8 as load_model makes them (the elementwise ops compiled where torch.compile works);
-    qwen2-onednn: through oneDNN's int8 kernel (AMX where the CPU has it); qwen2-eager: the elementwise ops
+    qwen2-onednn: through oneDNN's int8 kernel (AMX or VNNI where the CPU has them); qwen2-eager: the elementwise ops
     eager, as where torch.compile does not work."""
     arch, _, variant = request.param.partition("-")
     if variant == "eager":
@@ -60,8 +60,8 @@ def tiny_int8(request):
 
 @needs_onednn_int8
 def test_onednn_int8_kernel_gives_fbgemms_bits_for_every_batch_shape():
-    """Integers add exactly in any order: oneDNN's kernel (AMX tiles where the CPU has them) and fbgemm's give the
-    same bits, and neither depends on the rows around a row."""
+    """Integers add exactly in any order: oneDNN's kernel (AMX tiles or VNNI where the CPU has them) and fbgemm's
+    give the same bits, and neither depends on the rows around a row."""
     torch.manual_seed(2)
     linear = nn.Linear(896, 200)
     x = torch.randn(300, 896)
@@ -87,20 +87,27 @@ def test_onednn_int8_layer_keeps_no_view_of_its_inputs():
                for t in layer.packed)
 
 
-def test_pick_kernel_takes_onednn_only_on_amx_and_only_when_its_probe_passes(monkeypatch, caplog):
+def test_pick_kernel_takes_onednn_only_with_a_vnni_and_only_when_its_probe_passes(monkeypatch, caplog):
     from slimroute import int8
     from slimroute.cpu import CpuFeatures
 
-    amx = CpuFeatures("Intel Xeon (AMX)", frozenset("avx2 avx512f avx512_vnni amx_bf16 amx_int8".split()), "AVX512",
-                      "x86_64")
-    avx2 = CpuFeatures("AMD EPYC (Zen 3)", frozenset("avx2 fma".split()), "AVX2", "x86_64")
+    def cpu(name, flags):
+        return CpuFeatures(name, frozenset(flags.split()), "AVX512" if "avx512f" in flags else "AVX2", "x86_64")
+
+    with_vnni = [cpu("Intel Xeon (AMX)", "avx2 avx512f avx512_vnni amx_bf16 amx_int8"),
+                 cpu("AMD Zen 5", "avx2 avx_vnni avx512f avx512_bf16 avx512_vnni"),
+                 cpu("Intel Xeon (Cascade Lake)", "avx2 avx512f avx512_vnni"),
+                 cpu("Intel Core (Alder Lake)", "avx2 fma avx_vnni")]
+    without = [cpu("AMD EPYC (Zen 3)", "avx2 fma"), cpu("Intel Xeon (Skylake)", "avx2 avx512f avx512bw")]
     monkeypatch.setattr(int8, "_KERNEL", {})
     monkeypatch.setattr(int8, "_onednn_problem", lambda: "")
-    assert int8.pick_kernel(avx2) == "fbgemm" and int8.pick_kernel(amx) == "onednn"
+    assert [int8.pick_kernel(c) for c in with_vnni] == ["onednn"] * 4
+    assert [int8.pick_kernel(c) for c in without] == ["fbgemm"] * 2
     monkeypatch.setattr(int8, "_KERNEL", {})
     monkeypatch.setattr(int8, "_onednn_problem", lambda: "qlinear_pointwise raised: no kernel")
-    assert int8.pick_kernel(amx) == "fbgemm"
-    assert "oneDNN's AMX kernel is not used (qlinear_pointwise raised: no kernel); fbgemm's runs instead" in caplog.text
+    assert [int8.pick_kernel(c) for c in with_vnni] == ["fbgemm"] * 4
+    assert ("oneDNN's VNNI kernel is not used (qlinear_pointwise raised: no kernel); fbgemm's runs instead"
+            in caplog.text)
     with pytest.raises(ValueError, match="int8 kernel must be one of fbgemm, onednn"):
         Int8Linear.from_linear(nn.Linear(4, 4), kernel="amx")
 

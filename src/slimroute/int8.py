@@ -17,10 +17,10 @@ slice of HEAD_CHUNK vocabulary rows at a time (the same values to the bit, so th
 quantising, activation outliers are moved into the weights (smoothing.py), folded into the layers in front.
 
 Two kernels give the same bits (integers add exactly in any order; the scales multiply each output element alike):
-fbgemm's (`torch.ops.quantized`, AVX2 and VNNI) and oneDNN's (`torch.ops.onednn.qlinear_pointwise`), which runs on
-AMX tiles where the CPU has AMX-INT8 (Intel Xeon since Sapphire Rapids): 4x fbgemm's rate there (4.0-4.3 against
-0.9-1.0 TOP/s on the model's shapes at 512 rows, 2 threads). pick_kernel takes oneDNN on AMX CPUs when a probe
-layer gives fbgemm's bits, else fbgemm.
+fbgemm's (`torch.ops.quantized`, AVX2 and AVX512-VNNI) and oneDNN's (`torch.ops.onednn.qlinear_pointwise`), which
+also runs on AMX tiles (Intel Xeon since Sapphire Rapids: 4x fbgemm's rate) and on AVX-VNNI (Intel Core since Alder
+Lake, AMD Zen 5: 1.7x fbgemm's AVX2 rate, which has no VNNI). pick_kernel takes oneDNN on CPUs with any VNNI when a
+probe layer gives fbgemm's bits, else fbgemm.
 
 Quantised weights are made once per checkpoint and cached (int8_cache_file); later loads read only the int8 file and
 leave the fp32 weights' pages of the memory-mapped checkpoint untouched.
@@ -97,18 +97,26 @@ def int8_failure(kernel: str = "fbgemm") -> str | None:
 _KERNEL: dict[str, str] = {}
 
 
+ONEDNN_FLAGS = ("amx_int8", "avx512_vnni", "avx_vnni")  # where oneDNN's int8 GEMM outruns fbgemm's (pick_kernel)
+
+
 def pick_kernel(cpu=None) -> str:
-    """oneDNN's int8 kernel where the CPU has AMX-INT8 and a probe layer gives fbgemm's bits through it, else
-    fbgemm (decided once per process; a failing oneDNN probe is logged in one line)."""
+    """oneDNN's int8 kernel where the CPU has a VNNI (AMX-INT8, AVX512-VNNI or AVX-VNNI) and a probe layer gives
+    fbgemm's bits through it, else fbgemm (decided once per process; a failing oneDNN probe is logged in one line).
+
+    On the model's shapes, 512 rows, 2 threads, an Intel Xeon with AMX (oneDNN held to each ISA with
+    ONEDNN_MAX_CPU_ISA, fbgemm to AVX2 with FBGEMM_ENABLE_INSTRUCTIONS): AMX 4.0-4.3 TOP/s against fbgemm's 1.0-1.1
+    (AVX512-VNNI); AVX512-VNNI 1.26-1.33 against 1.0-1.1; AVX-VNNI (AVX2 only: Intel Core since Alder Lake) 0.62
+    against fbgemm's AVX2 0.36. Without a VNNI, oneDNN is no faster on AVX2 and half fbgemm's rate on AVX-512."""
     from slimroute.cpu import detect
 
     cpu = cpu or detect()
-    if "amx_int8" not in cpu.flags:
+    if not set(ONEDNN_FLAGS) & cpu.flags:
         return "fbgemm"
     if "onednn" not in _KERNEL:
         _KERNEL["onednn"] = _onednn_problem()
         if _KERNEL["onednn"]:
-            log.warning("int8: oneDNN's AMX kernel is not used (%s); fbgemm's runs instead", _KERNEL["onednn"])
+            log.warning("int8: oneDNN's VNNI kernel is not used (%s); fbgemm's runs instead", _KERNEL["onednn"])
     return "fbgemm" if _KERNEL["onednn"] else "onednn"
 
 
