@@ -210,6 +210,47 @@ def test_int8_fast_path_gives_the_int8_references_bits(tiny_int8, labels, prefix
             assert [p.logprobs for p in fast] == [p.logprobs for p in ref], (decision, batch_size)  # bitwise
 
 
+def _quirky_gemms(monkeypatch):
+    """Make the attention tiles' GEMMs round as MKL's AVX2 kernels may, on any CPU: a row's bits follow where it
+    sits in the product (here: rows 4 and 5 of every 6) and whether an operand comes transposed."""
+    import slimroute.attention as attention
+
+    def nudge(product: torch.Tensor, transposed: bool) -> torch.Tensor:
+        rows = torch.arange(product.shape[-2]) % 6 >= 4
+        product[..., rows, :] *= 1 + 2.0 ** -20
+        return product * (1 + 2.0 ** -19) if transposed else product
+
+    def scores(q, k_transposed):  # matmul hands MKL a broadcast operand as a contiguous copy, else as it comes
+        as_given = k_transposed.shape[:-2] == q.shape[:-2]
+        return nudge(torch.matmul(q, k_transposed), transposed=as_given and k_transposed.stride(-2) == 1)
+
+    def add_weighted_sum(out, probs, v, first):
+        product = nudge(torch.bmm(probs, v), transposed=v.stride(-2) == 1)
+        out.copy_(product) if first else out.add_(product)
+
+    monkeypatch.setattr(attention, "_tile_scores", scores)
+    monkeypatch.setattr(attention, "_add_weighted_sum", add_weighted_sum)
+
+
+@pytest.mark.parametrize("labels", [SINGLE, MULTI], ids=["single-token", "multi-token"])
+@pytest.mark.parametrize("prefix_cache", [True, False], ids=["prefix", "no-prefix"])
+def test_int8_fast_path_gives_the_references_bits_with_gemms_that_round_by_row_and_layout(monkeypatch, labels,
+                                                                                        prefix_cache):
+    """A query sits in the same row of its tile, and its keys come in the same layout, in the fast path (prefix
+    cached, items batched, a label's continuation in a pass of its own) and in the one-at-a-time path (one
+    sequence): so a GEMM that rounds a row by where it sits (MKL on AVX2) still gives both the same bits."""
+    _quirky_gemms(monkeypatch)
+    model, tok = int8_model("qwen2")
+    rng = random.Random(11 + prefix_cache)
+    texts = [make_text(rng, rng.choice([1, 4, 17, 60, 130])) for _ in range(17)]
+    task = Task(labels)
+    ref = ReferenceClassifier(model, tok, task).classify(texts)
+    for batch_size in (1, 7):
+        config = EngineConfig(batch_size=batch_size, max_batch_tokens=None, prefix_cache=prefix_cache)
+        fast = Engine(model, tok, task, config).classify(texts)
+        assert [p.logprobs for p in fast] == [p.logprobs for p in ref], batch_size  # bitwise
+
+
 @pytest.mark.parametrize("prefix_cache", [True, False], ids=["prefix", "no-prefix"])
 @pytest.mark.parametrize("features", ["hidden+mean", "mean", "hidden+mean, layer 1"])
 def test_int8_head_with_mean_states_gives_the_references_bits(tiny_int8, prefix_cache, features):

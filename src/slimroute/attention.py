@@ -16,6 +16,11 @@ What this does instead, with a fixed reduction order that depends only on the ke
 3. softmax runs over the padded key rows (masked keys get -inf added, so they are exact zeros: trailing tiles add
    +0 to every partial sum);
 4. the tiles' partial sums over keys are added in key order, one tile after another.
+A query also sits in the same row of its tile whichever path computes it: a GEMM may round a row by where it sits
+(MKL's AVX2 kernels give the last rows of a 224-row product other bits than the same row elsewhere), so query tiles
+start where the fast path's forward passes start: at the cached prefix's end and at a label's continuation. The
+one-at-a-time path, which runs prefix, item and continuation as one sequence, says where those are (`segments`),
+and its queries are tiled segment by segment, each segment from a fresh tile.
 The mask's share of this (the key order, the padded additive mask) is the same in every layer of a forward pass,
 so it is worked out once per mask and reused.
 About 4% of an item's FLOPs on a 0.5B model at ticket lengths.
@@ -24,6 +29,8 @@ About 4% of an item's FLOPs on a 0.5B model at ticket lengths.
 from __future__ import annotations
 
 import weakref
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +40,19 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 NAME = "slimroute_invariant"
 TILE = 32
 QUERY_TILES = 4  # query tiles per pass (memory only: the bits do not depend on it)
+_SEGMENTS: ContextVar[tuple[int, ...]] = ContextVar("slimroute_attention_segments", default=())
+
+
+@contextmanager
+def segments(*starts: int):
+    """While inside, a forward pass tiles its queries afresh at each of these positions (where the fast path starts
+    a forward pass: the prefix's length, the item's end), so every query sits in the row of its tile the fast path
+    puts it in. For the one-at-a-time path; the fast path's passes each start a segment by themselves."""
+    token = _SEGMENTS.set(tuple(sorted(set(starts))))
+    try:
+        yield
+    finally:
+        _SEGMENTS.reset(token)
 
 
 def _tiles(x: torch.Tensor, length: int) -> torch.Tensor:
@@ -47,6 +67,16 @@ def _tiles(x: torch.Tensor, length: int) -> torch.Tensor:
 def invariant_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """query (B, H, Lq, D); key, value (B, Hkv, Lk, D); attention_mask (B, 1, Lq, Lk), True where a query may
     attend (an additive float mask, 0 where allowed, works too). Returns ((B, Lq, H, D), None)."""
+    cuts = [start - (key.shape[2] - query.shape[2]) for start in _SEGMENTS.get()]  # the first query's position:
+    cuts = [cut for cut in cuts if 0 < cut < query.shape[2]]  # the keys before it (the cache)
+    if cuts:
+        query, attention_mask, real = _segment_aligned(query, attention_mask, key.shape[2], cuts)
+        return _attention(query, key, value, attention_mask, scaling).index_select(1, real), None
+    return _attention(query, key, value, attention_mask, scaling), None
+
+
+def _attention(query, key, value, attention_mask, scaling) -> torch.Tensor:
+    """invariant_attention for queries tiled from the first: (B, Lq, H, D)."""
     batch, heads, num_queries, head_dim = query.shape
     kv_heads, num_keys = key.shape[1], key.shape[2]
     groups = heads // kv_heads
@@ -70,7 +100,28 @@ def invariant_attention(module, query, key, value, attention_mask, scaling, drop
                               bias[:, :, a:a + QUERY_TILES, :, :, :nk * TILE], scaling))
     out = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=2)  # (B, Hkv, nq, G, T, D)
     out = out.permute(0, 2, 4, 1, 3, 5).reshape(batch, q_len, heads, head_dim)  # head h = kv head h // G, as GQA
-    return out[:, :num_queries].contiguous(), None
+    return out[:, :num_queries].contiguous()
+
+
+def _segment_aligned(query, attention_mask, num_keys: int, cuts: list[int]):
+    """query (B, H, Lq, D) and its mask with each segment between cuts zero-padded to whole tiles (padding
+    queries see key 0 alone), and the indices of the real queries among the padded ones."""
+    batch, _, num_queries, _ = query.shape
+    if attention_mask is None:
+        attention_mask = torch.ones(batch, 1, num_queries, num_keys, dtype=torch.bool, device=query.device)
+    elif attention_mask.dtype != torch.bool:
+        attention_mask = attention_mask == 0
+    attention_mask = attention_mask[:, :, :, :num_keys].expand(batch, 1, num_queries, num_keys)
+    queries, masks, real, at = [], [], [], 0
+    for start, end in zip([0, *cuts], [*cuts, num_queries], strict=True):
+        pad = -(end - start) % TILE
+        queries.append(F.pad(query[:, :, start:end], (0, 0, 0, pad)))
+        seg_mask = F.pad(attention_mask[:, :, start:end], (0, 0, 0, pad))
+        seg_mask[:, :, end - start:, 0] = True
+        masks.append(seg_mask)
+        real.append(torch.arange(at, at + end - start, device=query.device))
+        at += end - start + pad
+    return torch.cat(queries, dim=2), torch.cat(masks, dim=2), torch.cat(real)
 
 
 _plan: tuple = (None,)  # (weakref to a mask, shape, plan): the last mask's plan; a forward pass hands every layer
@@ -126,10 +177,13 @@ def _attend(q_tiles, k_tiles, v_tiles, bias, scaling) -> torch.Tensor:
     batch, kv_heads, groups, c, _, head_dim = q_tiles.shape
     nk = k_tiles.shape[2]
     q = q_tiles.transpose(2, 3).reshape(batch, kv_heads, c, groups * TILE, head_dim)  # a tile: G heads x T positions
-    # scores tile by tile, one key tile at a time, straight into (query, key) order
+    # scores tile by tile, one key tile at a time, straight into (query, key) order. The key tiles go in transposed
+    # and contiguous whatever c is (matmul copies a broadcast operand, so a transposed view would reach MKL as a
+    # transposed operand for one query tile and as a contiguous one for more: on AVX2 the two round differently)
+    k_transposed = k_tiles.transpose(-1, -2).contiguous()  # (B, Hkv, nk, D, T)
     scores = q.new_empty(batch, kv_heads, c, groups * TILE, nk, TILE)
     for j in range(nk):
-        scores[:, :, :, :, j] = torch.matmul(q, k_tiles[:, :, j, None].transpose(-1, -2))
+        scores[:, :, :, :, j] = _tile_scores(q, k_transposed[:, :, j, None])
     # 3. softmax over padded key rows (masked keys: -inf added, exact zeros after it)
     scores = scores.view(batch, kv_heads, c, groups, TILE, nk * TILE).mul_(scaling).add_(bias)
     probs = torch.softmax(scores, dim=-1).view(batch, kv_heads, c, groups * TILE, nk, TILE)
@@ -138,8 +192,17 @@ def _attend(q_tiles, k_tiles, v_tiles, bias, scaling) -> torch.Tensor:
     out = q.new_empty(batch * kv_heads * c, groups * TILE, head_dim)
     for j in range(nk):
         v = v_tiles[:, :, j, None].expand(batch, kv_heads, c, TILE, head_dim).reshape(-1, TILE, head_dim)
-        out.baddbmm_(probs[:, :, :, :, j].reshape(-1, groups * TILE, TILE), v, beta=1 if j else 0)
+        _add_weighted_sum(out, probs[:, :, :, :, j].reshape(-1, groups * TILE, TILE), v, first=not j)
     return out.view(batch, kv_heads, c, groups, TILE, head_dim)
+
+
+# The tiles' two GEMMs (a test swaps in GEMMs that round a row by where it sits, as MKL's AVX2 kernels do)
+def _tile_scores(q: torch.Tensor, k_transposed: torch.Tensor) -> torch.Tensor:
+    return torch.matmul(q, k_transposed)
+
+
+def _add_weighted_sum(out: torch.Tensor, probs: torch.Tensor, v: torch.Tensor, first: bool) -> None:
+    out.baddbmm_(probs, v, beta=0 if first else 1)
 
 
 def register() -> str:

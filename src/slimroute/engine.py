@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from slimroute.attention import segments
 from slimroute.batching import PaddingStats, pad_right, plan_batches
 from slimroute.calibration import check_head
 from slimroute.config import EngineConfig
@@ -241,7 +242,9 @@ class Engine:
         # layers): the last layer's MLP runs on those rows alone (rows are independent; the cache, all the
         # label scorer needs besides, comes from the attention, which still sees every position)
         last_rows = rows * width + lengths - 1 if states == "last" and not layers else None
-        with rows_only(self._last_mlp, last_rows):
+        # without the prefix cache, the prefix and the item are one pass: their queries tiled as the cached
+        # prefix's and the item's would be (attention.segments)
+        with rows_only(self._last_mlp, last_rows), segments(*(() if self.prefix else (len(self.prompt.prefix_ids),))):
             out = self.model.base_model(
                 input_ids=input_ids, attention_mask=mask, position_ids=positions,
                 cache=cache, use_cache=True, output_hidden_states=bool(layers),

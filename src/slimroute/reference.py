@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from slimroute.attention import segments
 from slimroute.calibration import check_head
 from slimroute.head import item_states
 from slimroute.labels import Prediction, check_decision, make_prediction, redecide
@@ -47,10 +48,11 @@ class ReferenceClassifier:
         return [redecide(p, self.labels, self.answer_ids, self.decision, self._offsets) for p in preds]
 
     @torch.inference_mode()
-    def _next_token_logprobs(self, ids: list[int]) -> torch.Tensor:
+    def _next_token_logprobs(self, ids: list[int], item_end: int) -> torch.Tensor:
         device = next(self.model.parameters()).device
         input_ids = torch.tensor([ids], device=device)
-        logits = self.model(input_ids=input_ids, use_cache=False, logits_to_keep=1).logits  # (1, 1, V)
+        with segments(len(self.prompt.prefix_ids), item_end):  # where the fast path's passes start
+            logits = self.model(input_ids=input_ids, use_cache=False, logits_to_keep=1).logits  # (1, 1, V)
         return torch.log_softmax(logits[0, -1].float(), dim=-1)
 
     @torch.inference_mode()
@@ -58,8 +60,9 @@ class ReferenceClassifier:
         """The head's states of one item (head.item_states): the final-norm hidden state at the last position
         and/or the mean over the item's tokens, everything after the task's prefix."""
         device = next(self.model.parameters()).device
-        out = self.model(input_ids=torch.tensor([ids], device=device), use_cache=False, logits_to_keep=1,
-                         output_hidden_states=True)
+        with segments(len(self.prompt.prefix_ids)):
+            out = self.model(input_ids=torch.tensor([ids], device=device), use_cache=False, logits_to_keep=1,
+                             output_hidden_states=True)
         hidden = out.hidden_states[-1]  # (1, T, H): the last layer's entry is after the final norm
         return item_states(hidden, [len(ids) - 1], [len(ids) - len(self.prompt.prefix_ids)], self.head.states,
                            tuple(out.hidden_states[k] for k in self.head.layers))
@@ -84,7 +87,7 @@ class ReferenceClassifier:
             for k, token in enumerate(ids):
                 context = ids[:k]
                 if context not in memo:
-                    memo[context] = self._next_token_logprobs(prompt_ids + list(context))
+                    memo[context] = self._next_token_logprobs(prompt_ids + list(context), len(prompt_ids))
                 lps.append(float(memo[context][token]))
             token_logprobs.append(lps)
         return token_logprobs
