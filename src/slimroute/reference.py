@@ -6,7 +6,8 @@ log-softmax at the last position. With a tuned head it runs the whole prompt onc
 final-norm hidden state at the last position (and, for a +mean head, their mean over the item's tokens; for a
 head with `layers`, those decoder layers' means too) and applies the head to it. Calibration offsets, when
 set, are subtracted from the label log-probs before the decision (never with a head). Every fast path is tested
-against this.
+against this. (It tells the batch-invariant attention kernel where the fast path's passes start, so that kernel
+tiles the sequence's queries as the fast path does: attention.segments. Other kernels ignore it.)
 """
 
 from __future__ import annotations
