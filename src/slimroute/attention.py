@@ -16,11 +16,12 @@ What this does instead, with a fixed reduction order that depends only on the ke
 3. softmax runs over the padded key rows (masked keys get -inf added, so they are exact zeros: trailing tiles add
    +0 to every partial sum);
 4. the tiles' partial sums over keys are added in key order, one tile after another.
-A query also sits in the same row of its tile whichever path computes it: a GEMM may round a row by where it sits
-(MKL's AVX2 kernels give the last rows of a 224-row product other bits than the same row elsewhere), so query tiles
-start where the fast path's forward passes start: at the cached prefix's end and at a label's continuation. The
-one-at-a-time path, which runs prefix, item and continuation as one sequence, says where those are (`segments`),
-and its queries are tiled segment by segment, each segment from a fresh tile.
+Each GEMM also gets its operands in one layout whatever the batch (MKL's AVX2 kernels round a transposed key
+tile differently from a contiguous one), and a query sits in the same row of its tile whichever path computes it
+(so a kernel that rounded a row by where it sits could not tell the paths apart either): query tiles start where
+the fast path's forward passes start, at the cached prefix's end and at a label's continuation. The one-at-a-time
+path, which runs prefix, item and continuation as one sequence, says where those are (`segments`), and its queries
+are tiled segment by segment, each segment from a fresh tile.
 The mask's share of this (the key order, the padded additive mask) is the same in every layer of a forward pass,
 so it is worked out once per mask and reused.
 About 4% of an item's FLOPs on a 0.5B model at ticket lengths.
@@ -92,7 +93,10 @@ def _attention(query, key, value, attention_mask, scaling) -> torch.Tensor:
     q_len, k_len = -(-num_queries // TILE) * TILE, -(-num_keys // TILE) * TILE
     nq = q_len // TILE
     q_tiles = _tiles(query, q_len).view(batch, kv_heads, groups, nq, TILE, head_dim)
-    k_tiles, v_tiles = _tiles(key, k_len), _tiles(value, k_len)
+    # the key tiles go in transposed and contiguous whatever the chunk (matmul copies a broadcast operand, so a
+    # transposed view would reach MKL as a transposed operand for one query tile and as a contiguous one for more:
+    # on AVX2 the two round differently)
+    k_tiles, v_tiles = _tiles(key, k_len).transpose(-1, -2).contiguous(), _tiles(value, k_len)  # (B, Hkv, nk, D, T)
     chunks = []
     for a in range(0, nq, QUERY_TILES):
         nk = max(key_tiles[a:a + QUERY_TILES])  # key tiles behind the last one these queries see: skipped
@@ -103,15 +107,22 @@ def _attention(query, key, value, attention_mask, scaling) -> torch.Tensor:
     return out[:, :num_queries].contiguous()
 
 
+def _allowed(attention_mask, batch: int, num_queries: int, num_keys: int, device) -> torch.Tensor:
+    """The mask as booleans (B, 1, Lq, Lk), True where a query may attend."""
+    if attention_mask is None:
+        return torch.ones(batch, 1, num_queries, num_keys, dtype=torch.bool, device=device)
+    if attention_mask.dtype == torch.bool:
+        allowed = attention_mask[:, :, :, :num_keys]
+    else:
+        allowed = attention_mask[:, :, :, :num_keys] == 0
+    return allowed.expand(batch, 1, num_queries, num_keys)
+
+
 def _segment_aligned(query, attention_mask, num_keys: int, cuts: list[int]):
     """query (B, H, Lq, D) and its mask with each segment between cuts zero-padded to whole tiles (padding
     queries see key 0 alone), and the indices of the real queries among the padded ones."""
     batch, _, num_queries, _ = query.shape
-    if attention_mask is None:
-        attention_mask = torch.ones(batch, 1, num_queries, num_keys, dtype=torch.bool, device=query.device)
-    elif attention_mask.dtype != torch.bool:
-        attention_mask = attention_mask == 0
-    attention_mask = attention_mask[:, :, :, :num_keys].expand(batch, 1, num_queries, num_keys)
+    attention_mask = _allowed(attention_mask, batch, num_queries, num_keys, query.device)
     queries, masks, real, at = [], [], [], 0
     for start, end in zip([0, *cuts], [*cuts, num_queries], strict=True):
         pad = -(end - start) % TILE
@@ -146,13 +157,7 @@ def _mask_plan(attention_mask, batch: int, num_queries: int, num_keys: int, devi
     cached, *rest = _plan
     if attention_mask is not None and cached is not None and cached() is attention_mask and rest[0] == shape:
         return rest[1]
-    if attention_mask is None:
-        allowed = torch.ones(batch, 1, num_queries, num_keys, dtype=torch.bool, device=device)
-    elif attention_mask.dtype == torch.bool:
-        allowed = attention_mask[:, :, :, :num_keys]
-    else:
-        allowed = attention_mask[:, :, :, :num_keys] == 0
-    allowed = allowed.expand(batch, 1, num_queries, num_keys)
+    allowed = _allowed(attention_mask, batch, num_queries, num_keys, device)
     hidden = ~allowed.any(dim=2)  # (B, 1, Lk): no query of the row sees it
     order = None
     if bool((hidden[..., :-1] & ~hidden[..., 1:]).any()):  # a hidden key in front of a visible one
@@ -172,18 +177,15 @@ def _mask_plan(attention_mask, batch: int, num_queries: int, num_keys: int, devi
 
 
 def _attend(q_tiles, k_tiles, v_tiles, bias, scaling) -> torch.Tensor:
-    """Queries (B, Hkv, G, c, T, D) against every key tile (B, Hkv, nk, T, D), bias (B, 1, c, 1, T, nk * T)
+    """Queries (B, Hkv, G, c, T, D) against every key tile (B, Hkv, nk, D, T: transposed), bias (B, 1, c, 1, T, nk * T)
     -> (B, Hkv, c, G, T, D)."""
     batch, kv_heads, groups, c, _, head_dim = q_tiles.shape
     nk = k_tiles.shape[2]
     q = q_tiles.transpose(2, 3).reshape(batch, kv_heads, c, groups * TILE, head_dim)  # a tile: G heads x T positions
-    # scores tile by tile, one key tile at a time, straight into (query, key) order. The key tiles go in transposed
-    # and contiguous whatever c is (matmul copies a broadcast operand, so a transposed view would reach MKL as a
-    # transposed operand for one query tile and as a contiguous one for more: on AVX2 the two round differently)
-    k_transposed = k_tiles.transpose(-1, -2).contiguous()  # (B, Hkv, nk, D, T)
+    # scores tile by tile, one key tile at a time, straight into (query, key) order
     scores = q.new_empty(batch, kv_heads, c, groups * TILE, nk, TILE)
     for j in range(nk):
-        scores[:, :, :, :, j] = _tile_scores(q, k_transposed[:, :, j, None])
+        scores[:, :, :, :, j] = _tile_scores(q, k_tiles[:, :, j, None])
     # 3. softmax over padded key rows (masked keys: -inf added, exact zeros after it)
     scores = scores.view(batch, kv_heads, c, groups, TILE, nk * TILE).mul_(scaling).add_(bias)
     probs = torch.softmax(scores, dim=-1).view(batch, kv_heads, c, groups * TILE, nk, TILE)

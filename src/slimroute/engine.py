@@ -244,7 +244,8 @@ class Engine:
         last_rows = rows * width + lengths - 1 if states == "last" and not layers else None
         # without the prefix cache, the prefix and the item are one pass: their queries tiled as the cached
         # prefix's and the item's would be (attention.segments)
-        with rows_only(self._last_mlp, last_rows), segments(*(() if self.prefix else (len(self.prompt.prefix_ids),))):
+        passes = segments() if self.prefix else segments(len(self.prompt.prefix_ids))
+        with rows_only(self._last_mlp, last_rows), passes:
             out = self.model.base_model(
                 input_ids=input_ids, attention_mask=mask, position_ids=positions,
                 cache=cache, use_cache=True, output_hidden_states=bool(layers),
