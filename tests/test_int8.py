@@ -59,19 +59,27 @@ def tiny_int8(request):
 
 
 @needs_onednn_int8
-def test_onednn_int8_kernel_gives_fbgemms_bits_for_every_batch_shape():
-    """Integers add exactly in any order: oneDNN's kernel (AMX tiles or VNNI where the CPU has them) and fbgemm's
-    give the same bits, and neither depends on the rows around a row."""
+def test_onednn_int8_kernel_gives_fbgemms_products_and_rows_that_do_not_depend_on_the_batch():
+    """Integers add exactly in any order: fed the same integers, oneDNN's kernel (AMX tiles or VNNI where the CPU
+    has them) and fbgemm's give the same bits; and oneDNN's rows (8-bit activations) do not depend on the rows
+    around them."""
+    from slimroute.int8 import ACTIVATIONS, quantize_weight
+
     torch.manual_seed(2)
     linear = nn.Linear(896, 200)
+    qweight, scale = quantize_weight(linear.weight)
+    fbgemm, onednn = Int8Linear(qweight, scale, None), Int8Linear(qweight, scale, None, kernel="onednn")
+    ints = torch.randint(-63, 64, (300, 896)).float()  # 7 bits: what both kernels take
+    assert torch.equal(onednn.integer_product((ints + ACTIVATIONS["onednn"][1]).to(torch.uint8)),
+                       fbgemm.integer_product(ints))
     x = torch.randn(300, 896)
     x[:, 7] *= 40
-    fbgemm, onednn = Int8Linear.from_linear(linear), Int8Linear.from_linear(linear, kernel="onednn")
+    layer = Int8Linear.from_linear(linear, kernel="onednn")
     with torch.no_grad():
-        whole = fbgemm(x)
-        assert torch.equal(onednn(x), whole)
+        whole = layer(x)
         for rows in (1, 7, 32, 299):
-            assert torch.equal(onednn(x[:rows]), whole[:rows]), rows
+            assert torch.equal(layer(x[:rows]), whole[:rows]), rows
+        assert torch.equal(layer(x[5:12]), whole[5:12])
 
 
 @needs_onednn_int8
@@ -127,17 +135,47 @@ def test_int8_linear_is_close_to_fp32_and_row_invariant():
     assert torch.equal(q(x[5:12]), whole[5:12])  # a row's bits do not depend on its neighbours or its position
 
 
-def test_int8_accumulation_is_exact():
-    """7-bit activations: fbgemm's int16 pair sums cannot saturate, so the output is the integer product."""
-    from slimroute.int8 import ACT_MAX, quantize_weight
+@pytest.mark.parametrize("kernel", ["fbgemm", pytest.param("onednn", marks=needs_onednn_int8)])
+def test_int8_accumulation_is_exact(kernel):
+    """fbgemm's 7-bit activations cannot saturate its int16 pair sums, oneDNN's 8-bit ones add into int32 (VNNI):
+    the output is the exact integer product times the weight scales, down to the last bit, also for the largest
+    sum a row can have."""
+    from slimroute.int8 import ACTIVATIONS, quantize_weight
 
+    act_max, shift = ACTIVATIONS[kernel]
     torch.manual_seed(1)
-    linear = nn.Linear(512, 64, bias=False)
-    qweight, scale = quantize_weight(linear.weight)
-    x = torch.round(torch.rand(16, 512) * 2 * ACT_MAX - ACT_MAX)  # integers at full range: the worst case
-    x[:, 0] = ACT_MAX  # each row's max is ACT_MAX, so its scale is exactly 1
-    exact = (x.double() @ qweight.double().T) * scale.double()
-    assert torch.allclose(Int8Linear(qweight, scale, None)(x).double(), exact, rtol=1e-6, atol=1e-4)
+    qweight, scale = quantize_weight(nn.Linear(512, 64, bias=False).weight)
+    x = torch.randint(-act_max, act_max + 1, (16, 512)).float()  # integers at full range
+    x[0] = torch.where(qweight[0] >= 0, act_max, -act_max)  # every product of output 0 at its largest
+    x[1] = -x[0]
+    exact = (x.double() @ qweight.double().T).float() * scale  # integer sums below 2**24: exact in fp32
+    layer = Int8Linear(qweight, scale, None, kernel=kernel)
+    assert torch.equal(layer.integer_product((x + shift).to(torch.uint8) if shift else x), exact)
+    assert torch.equal(layer(x), exact)  # each row's max is act_max: its scale is exactly 1
+
+
+def test_the_onednn_probe_refuses_a_kernel_whose_sums_saturate(monkeypatch):
+    """Without a VNNI a kernel adds pairs of u8 x s8 products in int16, which saturates for 8-bit activations: the
+    probe behind pick_kernel sees the wrong products (simulated here on any CPU) and oneDNN is not taken."""
+    from slimroute import int8
+
+    def saturating(self, q):  # u8 (q + shift) x s8 weight, pairs added in int16 with saturation, then int32
+        weight = self.int8_weight.double()
+        pairs = (q.double()[:, None, :] * weight[None]).view(q.shape[0], weight.shape[0], -1, 2).sum(-1)
+        total = pairs.clamp(-32768, 32767).sum(-1) - int8.ACTIVATIONS["onednn"][1] * weight.sum(1)
+        return total.float() * self.packed[1]
+
+    original_init = int8.Int8Linear.__init__
+
+    def remember(self, qweight, *args, **kwargs):
+        original_init(self, qweight, *args, **kwargs)
+        self.int8_weight = qweight
+
+    monkeypatch.setattr(int8.Int8Linear, "__init__", remember)
+    monkeypatch.setattr(int8.Int8Linear, "integer_product", saturating)
+    if int8.int8_failure("onednn"):
+        pytest.skip(f"oneDNN's int8 kernel does not run here: {int8.int8_failure('onednn')}")
+    assert int8._onednn_problem() == "its integer products are not exact for 8-bit activations on this CPU"
 
 
 @pytest.mark.parametrize("onednn", [False, True], ids=["torch", "onednn"])
@@ -289,6 +327,18 @@ def test_quantised_weights_are_cached_and_reloaded_bitwise(tmp_path):
     assert [p.logprobs for p in a] == [p.logprobs for p in b]
 
 
+def test_a_new_int8_cache_replaces_an_earlier_schemes_file(tmp_path):
+    from slimroute.int8 import SCHEME
+
+    earlier = tmp_path / "int8-w127-a63-smooth-v3.safetensors"  # what an earlier version cached
+    earlier.write_bytes(b"stale")
+    other = tmp_path / "model.safetensors"  # the checkpoint itself stays
+    other.write_bytes(b"weights")
+    model, _ = tiny_model("qwen2")
+    quantize_model(model, tmp_path / f"int8-{SCHEME}.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"int8-{SCHEME}.safetensors", "model.safetensors"])
+
+
 def q8_0(weight: torch.Tensor) -> torch.Tensor:
     """weight's values as a Q8_0 GGUF gives them back (llama.cpp's quantize_row_q8_0_ref): blocks of 32,
     q = round(x / d) with d = amax / 127, then q times d stored as fp16."""
@@ -437,15 +487,17 @@ def test_invariant_attention_plans_a_mask_once_and_drops_the_plan_with_it():
 
 
 def test_a_quantizer_feeds_only_its_own_kernel():
-    """fbgemm takes the integers as floats, oneDNN as uint8 shifted by ZERO_POINT: a shared quantizer made for one
-    kernel is refused by the other, and both forms hold the same integers."""
-    from slimroute.int8 import ZERO_POINT, Int8Linear, RowQuantizer
+    """fbgemm takes 7-bit integers as floats, oneDNN 8-bit ones as shifted uint8 (ACTIVATIONS): a shared quantizer
+    made for one kernel is refused by the other; both forms hold the row's integers at their resolution."""
+    from slimroute.int8 import ACTIVATIONS, Int8Linear, RowQuantizer
 
     x = torch.randn(5, 64)
     as_floats, scale = RowQuantizer(kernel="fbgemm")(x)
-    as_uint8, same_scale = RowQuantizer(kernel="onednn")(x)
-    assert as_uint8.dtype == torch.uint8 and torch.equal(as_uint8.float() - ZERO_POINT, as_floats)
-    assert torch.equal(scale, same_scale)
+    as_uint8, fine_scale = RowQuantizer(kernel="onednn")(x)
+    assert as_floats.abs().amax(dim=1).eq(63).all() and torch.equal(scale * 63, x.abs().amax(dim=1, keepdim=True))
+    ints = as_uint8.float() - ACTIVATIONS["onednn"][1]
+    assert as_uint8.dtype == torch.uint8 and ints.abs().amax(dim=1).eq(127).all()
+    assert torch.equal(ints, torch.round(x / fine_scale)) and torch.equal(as_floats, torch.round(x / scale))
     with pytest.raises(ValueError, match="cannot feed the fbgemm kernel"):
         Int8Linear.from_linear(nn.Linear(64, 8), RowQuantizer(kernel="onednn"), kernel="fbgemm")
 
@@ -454,7 +506,7 @@ def test_compiled_elementwise_gives_each_row_the_bits_it_gets_alone():
     """The fused (torch.compile) quantiser and MLP gate: a row's integers and scale do not depend on the rows
     around it (odd sizes: the vector loops' tails too); the quantiser's are eager's bits, the gate's eager's up to
     the last bits of silu."""
-    from slimroute.int8 import EAGER, ZERO_POINT, Elementwise, elementwise
+    from slimroute.int8 import ACTIVATIONS, EAGER, Elementwise, elementwise
 
     if not elementwise().compiled:
         pytest.skip("torch.compile does not work here (see the warning logged by slimroute.int8.elementwise)")
@@ -463,19 +515,20 @@ def test_compiled_elementwise_gives_each_row_the_bits_it_gets_alone():
     gate, up = torch.randn(37, 72, generator=generator) * 3, torch.randn(37, 72, generator=generator)
     scale = torch.rand(37, 1, generator=generator) + 0.1
     with torch.inference_mode():
-        for shift in (0, ZERO_POINT):
-            q, q_scale = fused.to_ints(gate, shift)
+        for ints in ACTIVATIONS.values():
+            shift = ints[1]
+            q, q_scale = fused.to_ints(gate, *ints)
             assert q.dtype == (torch.uint8 if shift else torch.float32)
-            eager_q, eager_scale = EAGER.to_ints(gate, shift)
+            eager_q, eager_scale = EAGER.to_ints(gate, *ints)
             assert torch.equal(q, eager_q) and torch.equal(q_scale, eager_scale)
-            hidden, hidden_scale = fused.gated_to_ints(gate, up, scale, shift)
-            eager_hidden, eager_hidden_scale = EAGER.gated_to_ints(gate, up, scale, shift)
+            hidden, hidden_scale = fused.gated_to_ints(gate, up, scale, *ints)
+            eager_hidden, eager_hidden_scale = EAGER.gated_to_ints(gate, up, scale, *ints)
             assert (hidden.float() - eager_hidden.float()).abs().max() <= 1
             assert torch.allclose(hidden_scale, eager_hidden_scale, rtol=1e-5)
             for rows in (slice(0, 1), slice(5, 6), slice(3, 10), slice(30, 37)):
-                alone, alone_scale = fused.gated_to_ints(gate[rows], up[rows], scale[rows], shift)
+                alone, alone_scale = fused.gated_to_ints(gate[rows], up[rows], scale[rows], *ints)
                 assert torch.equal(alone, hidden[rows]) and torch.equal(alone_scale, hidden_scale[rows])
-                alone, alone_scale = fused.to_ints(gate[rows], shift)
+                alone, alone_scale = fused.to_ints(gate[rows], *ints)
                 assert torch.equal(alone, q[rows]) and torch.equal(alone_scale, q_scale[rows])
 
 

@@ -1,12 +1,14 @@
 """int8: every linear layer of the decoder as an integer GEMM, batch-invariant by construction.
 
 Weights: symmetric int8 per output channel (scale = max |w| / 127). Activations: quantised per row, at every linear
-layer, with the row's own scale (max |x| / ACT_MAX), then fbgemm multiplies the integers with exact int32
+layer, with the row's own scale (max |x| / act_max), then the kernel multiplies the integers with exact int32
 accumulation and the output row is multiplied back by its scale. Nothing in a row's output depends on the other rows,
-so a ticket gets the same bits alone or in a batch of 32. ACT_MAX is 63 (7 bits): on CPUs without VNNI fbgemm adds
-pairs of u8 x s8 products in int16 (vpmaddubsw), which saturates for 8-bit activations and int8 weights; with 7-bit
-activations no pair can overflow, so the accumulation is exact on every x86 CPU and the answers are the same on
-AVX2 and on AVX-512 VNNI machines.
+so a ticket gets the same bits alone or in a batch of 32. How many bits the activations get depends on the kernel
+(ACTIVATIONS): fbgemm's 7 (act_max 63): on CPUs without VNNI it adds pairs of u8 x s8 products in int16
+(vpmaddubsw), which saturates for 8-bit activations and int8 weights; with 7-bit activations no pair can overflow,
+so its accumulation is exact on every x86 CPU. oneDNN's (taken on VNNI CPUs only, whose dot products add into int32
+directly) 8 (act_max 127), twice the resolution: on the sample tickets its labels agree with fp32's more often
+(88.0% against 83.5% of 200, Intel Xeon with AMX). pick_kernel's probe checks the 8-bit products are exact.
 
 Embeddings, norms, attention (attention.py), the residual stream and the output head / label scorer stay fp32; the
 output head runs rows in fixed-size blocks (RowBlockedLinear) so its rows do not depend on the batch either. Its
@@ -16,11 +18,12 @@ output.weight is int8 blocks of 32 times one fp16 scale each, so 0.15 GB instead
 slice of HEAD_CHUNK vocabulary rows at a time (the same values to the bit, so the same GEMMs). Before
 quantising, activation outliers are moved into the weights (smoothing.py), folded into the layers in front.
 
-Two kernels give the same bits (integers add exactly in any order; the scales multiply each output element alike):
-fbgemm's (`torch.ops.quantized`, AVX2 and AVX512-VNNI) and oneDNN's (`torch.ops.onednn.qlinear_pointwise`), which
-also runs on AMX tiles (Intel Xeon since Sapphire Rapids: 4x fbgemm's rate) and on AVX-VNNI (Intel Core since Alder
-Lake, AMD Zen 5: 1.7x fbgemm's AVX2 rate, which has no VNNI). pick_kernel takes oneDNN on CPUs with any VNNI when a
-probe layer gives fbgemm's bits, else fbgemm.
+Two kernels give the exact integer products (integers add exactly in any order; the scales multiply each output
+element alike; fed the same integers, the same bits): fbgemm's (`torch.ops.quantized`, AVX2 and AVX512-VNNI) and
+oneDNN's (`torch.ops.onednn.qlinear_pointwise`), which also runs on AMX tiles (Intel Xeon since Sapphire Rapids: 4x
+fbgemm's rate) and on AVX-VNNI (Intel Core since Alder Lake, AMD Zen 5: 1.7x fbgemm's AVX2 rate, which has no
+VNNI). pick_kernel takes oneDNN on CPUs with any VNNI when a probe layer gives exact products at 8 bits, else
+fbgemm.
 
 Quantised weights are made once per checkpoint and cached (int8_cache_file); later loads read only the int8 file and
 leave the fp32 weights' pages of the memory-mapped checkpoint untouched.
@@ -47,9 +50,11 @@ from slimroute.kernels import FileMappedMemory, onednn_failure, return_freed_mem
 log = logging.getLogger(__name__)
 
 WEIGHT_MAX = 127
-ACT_MAX = 63
-ZERO_POINT = 64  # activations go in as uint8 q + 64, in [1, 127]
-SCHEME = f"w{WEIGHT_MAX}-a{ACT_MAX}-smooth-v3"  # part of the cache key: change it when the numbers or keys change
+# kernel -> (act_max, shift): a row's integers q, |q| <= act_max, go to fbgemm as floats (shift 0: it adds
+# FBGEMM_ZERO_POINT itself, u8 in [1, 127]) and to oneDNN as uint8 q + shift (in [1, 255])
+ACTIVATIONS = {"fbgemm": (63, 0), "onednn": (127, 128)}
+FBGEMM_ZERO_POINT = 64
+SCHEME = f"w{WEIGHT_MAX}-smooth-v3"  # part of the cache key: change it when the cached numbers or keys change
 HEAD_BLOCK = 64  # rows per output-head GEMM call (engine.SCORER_ROWS: one block per full call)
 HEAD_CHUNK = 4096  # vocabulary rows of a compact head turned back into fp32 at a time (14.7 MB)
 # Measured, the head alone on 64 and 128 rows (Intel Xeon with AMX, 2 threads, oneDNN fp32): 16-row blocks and
@@ -104,7 +109,7 @@ ONEDNN_FLAGS = ("amx_int8", "avx512_vnni", "avx_vnni")  # where oneDNN's int8 GE
 
 def pick_kernel(cpu=None) -> str:
     """oneDNN's int8 kernel where the CPU has a VNNI (AMX-INT8, AVX512-VNNI or AVX-VNNI) and a probe layer gives
-    fbgemm's bits through it, else fbgemm (decided once per process; a failing oneDNN probe is logged in one line).
+    exact integer products through it, else fbgemm (decided once per process; a failing probe is logged in one line).
 
     On the model's shapes, 512 rows, 2 threads, an Intel Xeon with AMX (oneDNN held to each ISA with
     ONEDNN_MAX_CPU_ISA, fbgemm to AVX2 with FBGEMM_ENABLE_INSTRUCTIONS): AMX 4.0-4.3 TOP/s against fbgemm's 1.0-1.1
@@ -123,18 +128,21 @@ def pick_kernel(cpu=None) -> str:
 
 
 def _onednn_problem() -> str:
-    """"" when oneDNN's int8 linear runs and gives fbgemm's bits on a probe layer, else what went wrong."""
+    """"" when oneDNN's int8 linear runs here and its products are exact for its 8-bit activations (ACTIVATIONS), else
+    what went wrong. With a VNNI its dot products add into int32; held below VNNI (ONEDNN_MAX_CPU_ISA=AVX2 or
+    AVX512_CORE) its products were off by hundreds, for 7-bit activations too."""
     generator = torch.Generator().manual_seed(0)
-    linear = nn.Linear(96, 40)
-    with torch.no_grad():
-        linear.weight.copy_(torch.randn(40, 96, generator=generator))
-    x = torch.randn(5, 96, generator=generator)
+    qweight, scale = quantize_weight(torch.randn(40, 96, generator=generator))
+    act_max, shift = ACTIVATIONS["onednn"]
+    ints = torch.randint(-act_max, act_max + 1, (5, 96), generator=generator).float()
+    ints[0] = torch.where(qweight[0] >= 0, act_max, -act_max)  # the largest sum a row can have, on output 0
     try:
-        got = Int8Linear.from_linear(linear, kernel="onednn")(x)
+        got = Int8Linear(qweight, scale, None, kernel="onednn").integer_product((ints + shift).to(torch.uint8))
     except (RuntimeError, AttributeError, NotImplementedError) as exc:
         return _why(exc)
-    if not torch.equal(got, Int8Linear.from_linear(linear, kernel="fbgemm")(x)):
-        return "its results differ from fbgemm's"
+    exact = (ints.double() @ qweight.double().T).float() * scale  # integer sums below 2**24: exact in fp32 too
+    if not torch.equal(got, exact):
+        return f"its integer products are not exact for {act_max.bit_length() + 1}-bit activations on this CPU"
     return ""
 
 
@@ -142,26 +150,25 @@ def _onednn_problem() -> str:
 # tensors several times in eager torch: a quarter of the int8 model's time on a CPU with fast integer GEMMs. Compiled
 # by torch.compile (Inductor), each becomes one or two loops over the rows. Each row's numbers still depend on that
 # row alone (elementwise ops, and a max, which is exact in any order), so batch invariance holds either way.
-_SHIFT = {"fbgemm": 0, "onednn": ZERO_POINT}  # fbgemm takes the integers as floats, oneDNN as uint8 + ZERO_POINT
 
 
-def _to_ints(rows: torch.Tensor, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M, K) fp32 rows -> their integers round(x / scale), |q| <= ACT_MAX (floats; uint8 q + shift when shift),
-    and the row scales (M, 1), scale = max |x| / ACT_MAX."""
+def _to_ints(rows: torch.Tensor, act_max: int, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) fp32 rows -> their integers round(x / scale), |q| <= act_max (floats; uint8 q + shift when shift),
+    and the row scales (M, 1), scale = max |x| / act_max."""
     q = torch.abs(rows)
-    scale = q.amax(dim=1, keepdim=True) / ACT_MAX  # max is exact in any order
+    scale = q.amax(dim=1, keepdim=True) / act_max  # max is exact in any order
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.div(rows, scale, out=q).round_()  # integers, as floats (|x|'s buffer)
     if shift:
-        q = q.add_(shift).to(torch.uint8)  # exact: integers in shift +- ACT_MAX
+        q = q.add_(shift).to(torch.uint8)  # exact: integers in shift +- act_max
     return q, scale
 
 
-def _gated_to_ints(gate: torch.Tensor, up: torch.Tensor, scale: torch.Tensor, shift: int
+def _gated_to_ints(gate: torch.Tensor, up: torch.Tensor, scale: torch.Tensor, act_max: int, shift: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """A gated MLP's silu(gate) * up, from the integer products of its gate and up projections and their input
     rows' scales, as the down projection's integers and row scales."""
-    return _to_ints(F.silu(gate * scale) * (up * scale), shift)
+    return _to_ints(F.silu(gate * scale) * (up * scale), act_max, shift)
 
 
 class Elementwise:
@@ -189,7 +196,7 @@ def elementwise(kernel: str = "fbgemm") -> Elementwise:
         if os.environ.get("SLIMROUTE_COMPILE", "1") != "0":
             _use_inductor_cache_for_this_cpu()
             fused = Elementwise(compiled=True)
-            if problem := _compile_problem(fused, _SHIFT[kernel]):
+            if problem := _compile_problem(fused, *ACTIVATIONS[kernel]):
                 log.warning("int8: torch.compile does not work here (%s); the elementwise ops run eagerly (slower, "
                             "same batch invariance)", problem)
                 fused = EAGER
@@ -218,19 +225,19 @@ def _use_inductor_cache_for_this_cpu() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor" / folder)
 
 
-def _compile_problem(fused: Elementwise, shift: int) -> str:
+def _compile_problem(fused: Elementwise, act_max: int, shift: int) -> str:
     """"" when fused's compiled functions run here and each row's result is the row's alone, else what went wrong
-    (no C++ compiler, an unsupported platform...). Compiles them for integers shifted by shift."""
+    (no C++ compiler, an unsupported platform...). Compiles them for a kernel's integers (ACTIVATIONS)."""
     generator = torch.Generator().manual_seed(0)
     gate, up = torch.randn(6, 40, generator=generator), torch.randn(6, 40, generator=generator)
     scale = torch.rand(6, 1, generator=generator) + 0.5
     try:
         with torch.inference_mode():  # the mode the engine and the reference run in (no recompiling there)
-            q, row_scale = fused.gated_to_ints(gate, up, scale, shift)
-            part, part_scale = fused.gated_to_ints(gate[2:5], up[2:5], scale[2:5], shift)
+            q, row_scale = fused.gated_to_ints(gate, up, scale, act_max, shift)
+            part, part_scale = fused.gated_to_ints(gate[2:5], up[2:5], scale[2:5], act_max, shift)
             if not (torch.equal(part, q[2:5]) and torch.equal(part_scale, row_scale[2:5])):
                 return "a row's compiled result depends on the other rows"
-            fused.to_ints(gate, shift)
+            fused.to_ints(gate, act_max, shift)
     except Exception as exc:  # noqa: BLE001 - torch.compile fails in many ways (compiler, platform, backend)
         return _why(exc)
     return ""
@@ -241,8 +248,8 @@ class RowQuantizer:
     gate_proj and up_proj) run one after the other on the same hidden states, so the first quantises them and the
     others, called with that very tensor, reuse the result; after the last member the result is dropped.
 
-    The integers come as the kernel takes them: floats for fbgemm (it adds its zero point itself), uint8 q +
-    ZERO_POINT for oneDNN (made in place: each pass over the activations counts at these sizes)."""
+    The integers come as the kernel takes them (ACTIVATIONS): floats for fbgemm (it adds its zero point itself),
+    uint8 q + shift for oneDNN (made in place: each pass over the activations counts at these sizes)."""
 
     def __init__(self, members: int = 1, kernel: str = "fbgemm", fused: Elementwise = EAGER):
         self.members = members
@@ -252,12 +259,11 @@ class RowQuantizer:
         self._uses = 0
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(..., K) -> the integers (M, K) (floats, or uint8 shifted by ZERO_POINT for oneDNN) and their row
-        scales (M, 1)."""
+        """(..., K) -> the integers (M, K) (floats, or shifted uint8 for oneDNN) and their row scales (M, 1)."""
         if self._last is not None and self._last[0] is x:
             _, q, scale = self._last
         else:
-            q, scale = self.fused.to_ints(x.reshape(-1, x.shape[-1]).float(), _SHIFT[self.kernel])
+            q, scale = self.fused.to_ints(x.reshape(-1, x.shape[-1]).float(), *ACTIVATIONS[self.kernel])
             self._uses = 0
         self._uses += 1
         self._last = (x, q, scale) if self._uses < self.members else None
@@ -295,9 +301,10 @@ class Int8Linear(nn.Module):
     def integer_product(self, q: torch.Tensor) -> torch.Tensor:
         """(M, K) integers in the kernel's form -> (M, N) fp32 q @ W_q^T * s_col (not yet times the row scales)."""
         if self.kernel == "fbgemm":
-            return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(q, 1.0, ZERO_POINT, self.packed)
-        weight, wscale, wzero = self.packed  # uint8 q + ZERO_POINT in, fp32 acc * 1.0 * weight scale out
-        return torch.ops.onednn.qlinear_pointwise(q, 1.0, ZERO_POINT, weight, wscale, wzero, None, 1.0, 0,
+            return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(q, 1.0, FBGEMM_ZERO_POINT,
+                                                                                     self.packed)
+        weight, wscale, wzero = self.packed  # uint8 q + shift in, fp32 acc * 1.0 * weight scale out
+        return torch.ops.onednn.qlinear_pointwise(q, 1.0, ACTIVATIONS["onednn"][1], weight, wscale, wzero, None, 1.0, 0,
                                                   torch.float32, "none", [], "")
 
 
@@ -310,7 +317,7 @@ class Int8GatedMLP(nn.Module):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
         self.quantizer = RowQuantizer(kernel=down_proj.kernel, fused=fused)  # x, once for gate and up
-        self.shift = _SHIFT[down_proj.kernel]
+        self.activations = ACTIVATIONS[down_proj.kernel]
         self.fused = fused
 
     @staticmethod
@@ -327,7 +334,7 @@ class Int8GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, scale = self.quantizer(x)
         hidden, hidden_scale = self.fused.gated_to_ints(self.gate_proj.integer_product(q),
-                                                        self.up_proj.integer_product(q), scale, self.shift)
+                                                        self.up_proj.integer_product(q), scale, *self.activations)
         out = self.down_proj.integer_product(hidden).mul_(hidden_scale)
         return out.view(*x.shape[:-1], self.down_proj.out_features)
 
@@ -567,5 +574,21 @@ def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
         os.close(fd)
         save_file(tensors, tmp, metadata={"scheme": SCHEME})
         os.replace(tmp, path)
+        _drop_earlier_schemes(path)
     except OSError as exc:  # a read-only cache costs the next load a few seconds, nothing more
         log.warning("could not cache the int8 weights at %s (%s); they will be quantised again next time", path, exc)
+
+
+def _drop_earlier_schemes(path: Path) -> None:
+    """An earlier scheme's int8 file for the same checkpoint (int8_cache_file's name with another SCHEME) is never
+    read again: removed, not left to hold 0.2-0.7 GB of the cache."""
+    suffix = f"{SCHEME}.safetensors"
+    if not path.name.endswith(suffix):
+        return
+    for old in path.parent.glob(f"{path.name[:-len(suffix)]}w*-smooth-*.safetensors"):
+        if old != path:
+            try:
+                old.unlink()
+                log.info("removed %s, an earlier int8 scheme's cache", old)
+            except OSError:
+                pass
