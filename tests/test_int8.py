@@ -17,6 +17,7 @@ from slimroute.int8 import (
     HEAD_CHUNK,
     Int8Linear,
     RowBlockedLinear,
+    _onednn_problem,
     compact_head,
     expand_head,
     int8_failure,
@@ -34,9 +35,9 @@ SINGLE = ("billing", "technical", "account")
 MULTI = ("Technical Support", "Technical Sales", "billing", "account")  # shared first token, different lengths
 
 
-ONEDNN_INT8 = int8_failure("onednn")
-needs_onednn_int8 = pytest.mark.skipif(ONEDNN_INT8 is not None,
-                                       reason=f"oneDNN's int8 linear does not run here: {ONEDNN_INT8}")
+ONEDNN_INT8 = _onednn_problem()  # "" where slimroute would take it: it runs and its 8-bit products are exact
+needs_onednn_int8 = pytest.mark.skipif(bool(ONEDNN_INT8), reason=f"oneDNN's int8 kernel is not usable here (it "
+                                       f"needs a VNNI: AVX-VNNI, AVX512-VNNI or AMX): {ONEDNN_INT8}")
 
 
 def int8_model(arch: str, kernel: str = "fbgemm", compiled: bool | None = None):
@@ -148,12 +149,14 @@ def test_int8_accumulation_is_exact(kernel):
     x = torch.randint(-act_max, act_max + 1, (16, 512)).float()  # integers at full range
     x[0] = torch.where(qweight[0] >= 0, act_max, -act_max)  # every product of output 0 at its largest
     x[1] = -x[0]
+    x[2:, 0] = act_max  # every row's max is act_max: its scale is exactly 1
     exact = (x.double() @ qweight.double().T).float() * scale  # integer sums below 2**24: exact in fp32
     layer = Int8Linear(qweight, scale, None, kernel=kernel)
     assert torch.equal(layer.integer_product((x + shift).to(torch.uint8) if shift else x), exact)
-    assert torch.equal(layer(x), exact)  # each row's max is act_max: its scale is exactly 1
+    assert torch.equal(layer(x), exact)
 
 
+@needs_onednn_int8
 def test_the_onednn_probe_refuses_a_kernel_whose_sums_saturate(monkeypatch):
     """Without a VNNI a kernel adds pairs of u8 x s8 products in int16, which saturates for 8-bit activations: the
     probe behind pick_kernel sees the wrong products (simulated here on any CPU) and oneDNN is not taken."""
@@ -173,8 +176,6 @@ def test_the_onednn_probe_refuses_a_kernel_whose_sums_saturate(monkeypatch):
 
     monkeypatch.setattr(int8.Int8Linear, "__init__", remember)
     monkeypatch.setattr(int8.Int8Linear, "integer_product", saturating)
-    if int8.int8_failure("onednn"):
-        pytest.skip(f"oneDNN's int8 kernel does not run here: {int8.int8_failure('onednn')}")
     assert int8._onednn_problem() == "its integer products are not exact for 8-bit activations on this CPU"
 
 

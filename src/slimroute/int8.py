@@ -55,10 +55,12 @@ WEIGHT_MAX = 127
 ACTIVATIONS = {"fbgemm": (63, 0), "onednn": (127, 128)}
 FBGEMM_ZERO_POINT = 64
 SCHEME = f"w{WEIGHT_MAX}-smooth-v3"  # part of the cache key: change it when the cached numbers or keys change
-HEAD_BLOCK = 64  # rows per output-head GEMM call (engine.SCORER_ROWS: one block per full call)
+HEAD_BLOCK = 32  # rows per output-head GEMM call
 HEAD_CHUNK = 4096  # vocabulary rows of a compact head turned back into fp32 at a time (14.7 MB)
-# Measured, the head alone on 64 and 128 rows (Intel Xeon with AMX, 2 threads, oneDNN fp32): 16-row blocks and
-# 1024-row slices 90-97 GFLOP/s, 64 and 4096 149-176 (the reference's lone row then runs a 64-row block: it is slow)
+# Measured, the head alone on 64-row calls (Intel Xeon with AMX, 2 threads, oneDNN fp32): blocks of 16 rows on
+# 1024-row slices 90 GFLOP/s, 32 on 4096 130, 64 on 4096 159; but the reference scores one row at a time, each in a
+# whole block: a lone row took 66 ms in 16-row blocks, 79 in 32, 108 in 64 (the int8 reference over 600 tickets:
+# 147 s with 64-row blocks against 109 with 16)
 Q8_BLOCK = 32  # a Q8_0 block: this many consecutive weights share one scale
 
 
