@@ -1,9 +1,10 @@
 """SmoothQuant-style smoothing for the int8 model (Xiao et al. 2023): move activation outliers into the weights.
 
 A few input channels of each linear layer carry activations 10-100x larger than the rest; with one scale per row
-they take the whole 7-bit range and round the other channels to a few levels. Dividing channel j of the input by
-s_j = max|X_j|^ALPHA / max|W_:j|^(1-ALPHA) and multiplying column j of the weight by s_j changes nothing in exact
-arithmetic, and every division is folded into the layer before, so it costs nothing at run time:
+they take the whole 7- or 8-bit range (int8.ACTIVATIONS) and round the other channels to a few levels. Dividing
+channel j of the input by s_j = max|X_j|^ALPHA / max|W_:j|^(1-ALPHA) and multiplying column j of the weight by s_j
+changes nothing in exact arithmetic, and every division is folded into the layer before, so it costs nothing at run
+time:
   q/k/v_proj and gate/up_proj: into the RMSNorm's weight in front of them;
   o_proj: into v_proj's rows (attention output is a weighted sum of values; a factor per value channel, shared by
           the query heads of one key/value head);
