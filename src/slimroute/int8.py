@@ -583,7 +583,7 @@ def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 def _drop_earlier_schemes(path: Path) -> None:
     """An earlier scheme's int8 file for the same checkpoint (int8_cache_file's name with another SCHEME) is never
-    read again: removed, not left to hold 0.2-0.7 GB of the cache."""
+    read again: removed, not left to hold its 0.1-0.5 GB (0.5 for the default model) in the cache."""
     suffix = f"{SCHEME}.safetensors"
     if not path.name.endswith(suffix):
         return
