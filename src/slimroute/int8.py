@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slimroute.kernels import FileMappedMemory, onednn_failure, return_freed_memory
+from slimroute.kernels import KERNEL_ERRORS, FileMappedMemory, failure_line, onednn_failure, return_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -90,16 +90,12 @@ def _prepack_onednn(qweight: torch.Tensor, scale: torch.Tensor):
             torch.zeros(scale.shape[0], dtype=torch.long))
 
 
-def _why(exc: Exception) -> str:
-    return str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-
-
 def int8_failure(kernel: str = "fbgemm") -> str | None:
     """Why the int8 kernel does not run here (None: it does), tried on a small layer."""
     try:
         Int8Linear.from_linear(nn.Linear(16, 8), kernel=kernel)(torch.ones(2, 16))
-    except (RuntimeError, AttributeError, NotImplementedError) as exc:  # AttributeError: the op is missing
-        return _why(exc)
+    except KERNEL_ERRORS as exc:
+        return failure_line(exc)
     return None
 
 
@@ -140,8 +136,8 @@ def _onednn_problem() -> str:
     ints[0] = torch.where(qweight[0] >= 0, act_max, -act_max)  # the largest sum a row can have, on output 0
     try:
         got = Int8Linear(qweight, scale, None, kernel="onednn").integer_product((ints + shift).to(torch.uint8))
-    except (RuntimeError, AttributeError, NotImplementedError) as exc:
-        return _why(exc)
+    except KERNEL_ERRORS as exc:
+        return failure_line(exc)
     exact = (ints.double() @ qweight.double().T).float() * scale  # integer sums below 2**24: exact in fp32 too
     if not torch.equal(got, exact):
         return f"its integer products are not exact for {act_max.bit_length() + 1}-bit activations on this CPU"
@@ -152,8 +148,6 @@ def _onednn_problem() -> str:
 # tensors several times in eager torch: a quarter of the int8 model's time on a CPU with fast integer GEMMs. Compiled
 # by torch.compile (Inductor), each becomes one or two loops over the rows. Each row's numbers still depend on that
 # row alone (elementwise ops, and a max, which is exact in any order), so batch invariance holds either way.
-
-
 def _to_ints(rows: torch.Tensor, act_max: int, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, K) fp32 rows -> their integers round(x / scale), |q| <= act_max (floats; uint8 q + shift when shift),
     and the row scales (M, 1), scale = max |x| / act_max."""
@@ -241,7 +235,7 @@ def _compile_problem(fused: Elementwise, act_max: int, shift: int) -> str:
                 return "a row's compiled result depends on the other rows"
             fused.to_ints(gate, act_max, shift)
     except Exception as exc:  # noqa: BLE001 - torch.compile fails in many ways (compiler, platform, backend)
-        return _why(exc)
+        return failure_line(exc)
     return ""
 
 

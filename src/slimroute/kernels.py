@@ -89,13 +89,22 @@ def set_linear_kernels(model: nn.Module, kernels: str = "auto") -> str:
     return "onednn" if use else "default"
 
 
+KERNEL_ERRORS = (RuntimeError, AttributeError, NotImplementedError)  # how a special kernel fails (AttributeError:
+# its op is missing from this torch build)
+
+
+def failure_line(exc: Exception) -> str:
+    """A kernel's exception as one line for a note."""
+    return str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+
+
 def onednn_failure(dtype: torch.dtype) -> str | None:
     """Why oneDNN's packed linear does not run here in this dtype (None: it does); tried on a small layer."""
     try:
         probe = OneDNNLinear(nn.Linear(16, 8).to(dtype), pack=True)
         probe(torch.ones(2, 16, dtype=dtype))
-    except (RuntimeError, AttributeError, NotImplementedError) as exc:  # AttributeError: the op is missing
-        return str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+    except KERNEL_ERRORS as exc:
+        return failure_line(exc)
     return None
 
 
