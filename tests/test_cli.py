@@ -230,3 +230,50 @@ def test_verify_holds_under_calibration(tmp_path, src, model_dir, monkeypatch):
         record = json.loads((tmp_path / "v.json").read_text())
         assert record["agreement"] == 1.0 and record["max_abs_logprob_diff"] <= 1e-4
         assert record["calibration"]["mode"] == mode
+
+
+def test_a_fallback_floor_routes_low_probability_rows(tmp_path, src, invoke):
+    plain = tmp_path / "plain.jsonl"
+    assert invoke(src, "--labels", LABELS, "--out", plain).exit_code == 0
+    rows = [json.loads(line) for line in plain.read_text().splitlines()]
+    chosen = sorted(r[f"p_{r['label']}"] for r in rows if r["error"] is None)
+    floor = (chosen[1] + chosen[2]) / 2  # two of the four good rows fall below it
+    out, summary_json = tmp_path / "out.csv", tmp_path / "summary.json"
+    result = invoke(src, "--labels", LABELS, "--out", out, "--min-prob", floor, "--fallback-label", "human",
+                    "--summary-json", summary_json)
+    assert result.exit_code == 0, result.output
+    lines = out.read_text().splitlines()
+    assert lines[0] == "id,label,model_label,p_billing,p_technical,p_account,truncated,error"
+    for before, line in zip(rows, lines[1:], strict=True):
+        cells = line.split(",")
+        if before["error"] is not None:
+            assert cells[1:3] == ["", ""]
+            continue
+        assert cells[2] == before["label"]  # model_label: the model's choice, as without the floor
+        assert cells[1] == (before["label"] if before[f"p_{before['label']}"] >= floor else "human")
+    summary = json.loads(summary_json.read_text())
+    assert summary["fallback"]["rows"] == 2 and summary["fallback"]["label"] == "human"
+    assert "fallback │ 2 rows (40.0%) answered 'human'" in result.text and "accuracy answered" in result.text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--min-prob", "1.5"], "min_prob must be a probability in (0, 1]"),
+    (["--min-prob", "0.5", "--fallback-label", "billing"], "fallback_label 'billing' is one of the labels"),
+    (["--fallback-label", "human"], "fallback_label 'human' needs min_prob"),
+    (["--min-prob", "0.5", "--server", "http://127.0.0.1:9"], "the fallback floor is the server's setting"),
+    (["--min-prob", "0.5", "--backend", "ray", "--fallback-label", "account"], "is one of the labels"),
+])
+def test_bad_floor_settings_exit_2_and_write_nothing(tmp_path, src, invoke, args, message):
+    before = sorted(p.name for p in tmp_path.iterdir())
+    result = invoke(src, "--labels", LABELS, "--out", tmp_path / "out.jsonl", *args)
+    assert result.exit_code == 2 and message in result.text, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_verify_holds_under_a_floor(tmp_path, src, model_dir, monkeypatch):
+    monkeypatch.setattr(cli, "console", Console(stderr=True, width=1000))
+    result = CliRunner().invoke(cli.app, ["verify", str(src), "--labels", LABELS, "--model", model_dir,
+                                          "--threads", "1", "--min-prob", "0.34", "--json", str(tmp_path / "v.json")])
+    assert result.exit_code == 0, result.output
+    record = json.loads((tmp_path / "v.json").read_text())
+    assert record["agreement"] == 1.0 and record["fallback"] == {"min_prob": 0.34, "label": "unsure"}

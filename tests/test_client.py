@@ -100,6 +100,25 @@ def test_classify_with_server_writes_the_engines_answers(tiny, offline, tmp_path
     assert [w["label"] for w in written] == [offline[t].label for t in texts]
 
 
+def test_classify_with_a_floored_server_writes_its_routes_and_the_models_choices(tiny, offline, tmp_path):
+    from slimroute.config import EngineConfig
+
+    texts = TEXTS[:6]
+    chosen = sorted(offline[t].probs[offline[t].label] for t in texts)
+    engine = Engine(*tiny, Task.from_labels(LABELS), EngineConfig(min_prob=(chosen[2] + chosen[3]) / 2))
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.csv"
+    src.write_text("".join(json.dumps({"id": f"r{i}", "text": t}) + "\n" for i, t in enumerate(texts)))
+    with live_server(create_app({"default": engine})) as url:
+        result = CliRunner().invoke(cli.app, ["classify", str(src), "--out", str(out), "--server", url])
+    assert result.exit_code == 0, result.output
+    lines = out.read_text().splitlines()
+    assert lines[0].startswith("id,label,model_label,p_billing")
+    rows = [line.split(",") for line in lines[1:]]
+    assert [r[2] for r in rows] == [offline[t].label for t in texts]
+    assert sorted(r[1] == "unsure" for r in rows) == [False] * 3 + [True] * 3
+    assert "fallback" in result.output and "3 rows" in result.output
+
+
 def test_unreachable_server_is_a_usage_error():
     clf = RemoteClassifier(f"http://127.0.0.1:{free_port()}", timeout=2)
     with pytest.raises(ServerUnreachable, match="no slimroute server answers"):

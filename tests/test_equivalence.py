@@ -192,3 +192,24 @@ def test_the_last_layers_mlp_runs_only_on_the_rows_read(tiny_qwen):
     assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))  # hooks removed
     with rows_only(layer, index):
         assert torch.equal(layer(input=x), layer.forward(x))  # called with a keyword: the whole input, untouched
+
+
+def test_a_fallback_floor_is_applied_alike_in_both_paths(tiny_qwen):
+    model, tok = tiny_qwen
+    task = Task(LABEL_SETS["multi"])
+    rng = random.Random(5)
+    texts = [make_text(rng, n) for n in (3, 9, 17, 30, 44, 61, 90, 120)]
+    plain = Engine(model, tok, task).classify(texts)
+    chosen = sorted(p.probs[p.label] for p in plain)
+    floor = (chosen[3] + chosen[4]) / 2  # half the items fall below it
+    config = EngineConfig(batch_size=3, min_prob=floor, fallback_label="human")
+    fast = Engine(model, tok, task, config).classify(texts)
+    ref = ReferenceClassifier(model, tok, task, fallback=config.fallback).classify(texts)
+    assert_equal(ref, fast)
+    assert [p.model_label for p in fast] == [p.model_label for p in ref] == [p.label for p in plain]
+    assert [p.label for p in fast] == [p.label if p.probs[p.label] >= floor else "human" for p in plain]
+    assert sum(p.label == "human" for p in fast) == 4
+    # a near-tie rechecked on the exact path gets the floor too
+    rechecked = Engine(model, tok, task, EngineConfig(recheck_margin=float("inf"), min_prob=floor,
+                                                      fallback_label="human")).classify(texts)
+    assert [p.label for p in rechecked] == [p.label for p in ref]

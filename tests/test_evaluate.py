@@ -83,3 +83,37 @@ def test_eval_bad_input_exits_2_and_writes_nothing(files, tmp_path, monkeypatch,
     result = run_eval(*args, "--json", tmp_path / "m.json")
     assert result.exit_code == 2 and message in result.text, result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gold.jsonl", "preds.csv"]
+
+
+FLOORED = "\n".join([
+    "id,label,model_label,p_billing,p_technical,p_account,truncated,error",
+    "1,billing,billing,0.8,0.1,0.1,false,", "2,human,billing,0.5,0.4,0.1,false,",
+    "3,account,account,0.1,0.1,0.8,false,", "4,human,technical,0.3,0.4,0.3,false,",
+    "5,billing,billing,0.7,0.2,0.1,false,"]) + "\n"
+
+
+def test_a_file_written_with_a_floor_and_the_floors_table(files, tmp_path, monkeypatch):
+    _, gold = files
+    preds = tmp_path / "floored.csv"
+    preds.write_text(FLOORED)
+    evaluation = evaluate_files(preds, gold)
+    assert (evaluation.fallback_label, evaluation.num_fallback) == ("human", 2)
+    assert evaluation.metrics.accuracy == pytest.approx(3 / 5)  # routed rows are not right answers
+    assert evaluation.answered.num_items == 3 and evaluation.answered.accuracy == 1.0
+    # floors rank the model's own choices (model_label) by their probability: 0.8 and 0.8 and 0.7 right, 0.5
+    # (id 2: gold technical) and 0.4 (id 4: gold billing) wrong
+    points = {round(p.coverage, 2): p for p in evaluation.floors}
+    assert (points[1.0].answered, points[1.0].correct) == (5, 3)
+    assert (points[0.6].min_prob, points[0.6].answered, points[0.6].correct) == (0.7, 3, 3)
+    record = evaluation.to_dict()
+    assert record["fallback"] == {"label": "human", "rows": 2, "answered": 3, "answered_accuracy": 1.0}
+    assert record["floors"][0]["coverage"] == 1.0
+    assert record["macro_f1"] == pytest.approx(evaluation.metrics.macro_f1_except("human"))
+    monkeypatch.setattr(cli, "console", Console(stderr=True, width=1000))
+    result = run_eval(preds, "--gold", gold)
+    assert result.exit_code == 0, result.output
+    for text in ("routed to the fallback │ 2 ('human')", "accuracy answered │ 100.0% of 3",
+                 "floors: what --min-prob P would answer", "0.700", "3 of 5"):
+        assert text in result.text, text
+    plain = evaluate_files(*files)
+    assert plain.answered is None and plain.to_dict()["fallback"] is None and plain.floors

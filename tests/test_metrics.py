@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from slimroute.metrics import Metrics, plot_confusion
+from slimroute.metrics import Metrics, floor_points, plot_confusion
 
 GOLD = ["a", "a", "a", "b", "b", "c", "c", "c", "c", "a"]
 PRED = ["a", "a", "b", "b", "c", "c", "c", "a", "c", "a"]
@@ -42,3 +42,29 @@ def test_to_dict_and_plot(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="must end in .png"):
         plot_confusion(m, tmp_path / "cm.jpg")
+
+
+def test_rows_answered_under_a_fallback_label():
+    m = Metrics.from_pairs(["a", "a", "b", "b", "c"], ["a", "?", "b", "?", "a"], ["a", "b", "c"])
+    assert m.labels == ("a", "b", "c", "?") and m.accuracy == pytest.approx(2 / 5)
+    answered = m.without_prediction("?")
+    assert answered.labels == ("a", "b", "c") and answered.num_items == 3 and answered.accuracy == pytest.approx(2 / 3)
+    assert answered.per_label["b"].support == 1  # the routed gold-b row is not among the answered
+    # the fallback is a route, not a class: left out of macro-F1 (its rows still cost recall)
+    f1 = {label: m.per_label[label].f1 for label in "abc"}
+    assert m.macro_f1_except("?") == pytest.approx(sum(f1.values()) / 3)
+    assert m.macro_f1 == pytest.approx(sum(f1.values()) / 4)
+
+
+def test_floor_points_hand_computed():
+    conf = [0.99, 0.95, 0.9, 0.8, 0.8, 0.7, 0.6, 0.5, 0.4, 0.35]
+    right = [True, True, True, True, False, True, True, False, False, False]
+    points = {round(p.coverage, 2): p for p in floor_points(conf, right)}
+    assert sorted(points) == [0.5, 0.6, 0.7, 0.8, 0.9, 1.0]  # 95% of 10 rows is all 10: not listed twice
+    assert (points[1.0].min_prob, points[1.0].answered, points[1.0].correct) == (0.35, 10, 6)
+    assert (points[0.5].min_prob, points[0.5].answered, points[0.5].correct) == (0.8, 5, 4)  # ties at 0.8 both in
+    assert points[0.7].accuracy == pytest.approx(6 / 7)
+    # the floor is rounded down to 3 decimals, so passing it as --min-prob answers at least those rows
+    odd = floor_points([0.66666, 0.5, 0.4], [True, False, False], coverages=(0.3,))
+    assert (odd[0].min_prob, odd[0].answered, odd[0].to_dict()["accuracy"]) == (0.666, 1, 1.0)
+    assert floor_points([], []) == []

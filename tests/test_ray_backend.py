@@ -263,3 +263,17 @@ def test_rows_of_a_block_check_text_and_id_like_the_local_reader():
         ("a", "fine", "billing", None), ("b", None, None, "row is not valid JSON (x)"),
         (None, None, None, "id column 'id' is empty in this row"), ("d", None, None, "text is empty"),
     ]
+
+
+def test_a_replica_with_a_floor_writes_the_route_and_the_models_choice(model_dir):
+    from slimroute.config import EngineConfig
+
+    texts = [t["text"] for t in synthetic_tickets(6, 11)]
+    plain = Engine.from_loaded(load_model(model_dir, threads=1), TASK).classify(texts)
+    chosen = sorted(p.probs[p.label] for p in plain)
+    config = EngineConfig(min_prob=(chosen[2] + chosen[3]) / 2, fallback_label="human")
+    replica = ClassifierActor(TASK, str(model_dir), str(model_dir), config, threads=1)
+    out = replica(pa.table({"id": [str(i) for i in range(6)], "text": texts})).to_pylist()
+    assert replica.schema.names[:3] == ["id", "label", "model_label"]
+    assert [r["model_label"] for r in out] == [p.label for p in plain]
+    assert [r["label"] for r in out] == [p.label if p.probs[p.label] >= config.min_prob else "human" for p in plain]

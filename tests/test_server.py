@@ -513,3 +513,24 @@ def _ready(url: str) -> bool:
         return httpx.get(f"{url}/ready", timeout=1).status_code == 200
     except httpx.TransportError:
         return False
+
+
+def test_a_served_floor_routes_low_probability_texts_and_says_so(tiny, offline):
+    from slimroute.client import RemoteClassifier
+
+    texts = TEXTS[:8]
+    chosen = sorted(offline[t].probs[offline[t].label] for t in texts)
+    floor = (chosen[3] + chosen[4]) / 2
+    engine = Engine(*tiny, Task.from_labels(LABELS), EngineConfig(min_prob=floor, fallback_label="human"))
+    with live_server(create_app({"default": engine}, ServerSettings())) as url:
+        results = httpx.post(f"{url}/v1/classify", json={"texts": texts}).json()["results"]
+        info = httpx.get(f"{url}/v1/info").json()
+        with RemoteClassifier(url) as remote:
+            assert remote.fallback() == {"min_prob": floor, "label": "human"}
+            via_client = remote.classify(texts)
+    for text, item, pred in zip(texts, results, via_client, strict=True):
+        want = offline[text]
+        assert item["model_label"] == pred.model_label == want.label
+        assert item["label"] == pred.label == (want.label if want.probs[want.label] >= floor else "human")
+    assert sum(item["label"] == "human" for item in results) == 4
+    assert info["tasks"][0]["fallback"] == {"min_prob": floor, "label": "human"}

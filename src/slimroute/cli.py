@@ -7,7 +7,7 @@ import logging
 import shlex
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from itertools import islice
 from pathlib import Path
 
@@ -27,8 +27,8 @@ app.add_typer(models_app, name="models")
 console = Console(stderr=True)
 
 MODEL = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Packaged name, HF repo id, model folder or .gguf file.")
-DTYPE = typer.Option("auto", "--dtype", help="auto (from the CPU: bfloat16 with native BF16, else int8 on AVX2, "
-                                             "else float32), float32, bfloat16 or int8.")
+DTYPE = typer.Option("auto", "--dtype", help="auto (from the CPU: bfloat16 with native BF16 and no AMX, else int8 "
+                                             "on AVX2, VNNI or AMX, else float32), float32, bfloat16 or int8.")
 THREADS = typer.Option(None, "--threads", help="Torch threads (default: physical cores).")
 DEVICE = typer.Option("cpu", "--device", help="cpu or cuda.")
 LABELS = typer.Option(None, "--labels", "-l", help="Comma-separated labels, e.g. billing,technical,account.")
@@ -58,6 +58,11 @@ MAX_PADDING = typer.Option(0.0, "--max-padding", help="Cap on a batch's padded s
                                                         "batches are the cheapest split by default).")
 HEAD = typer.Option(None, "--head", help="A head folder from `slimroute tune`: its softmax over its labels decides; "
                                           "the task (prompt) is the head's unless --labels/--task is given.")
+MIN_PROB = typer.Option(None, "--min-prob", help="A floor under the answers: when the chosen label's probability "
+                                                  "(p_<label>) is below this, answer --fallback-label instead "
+                                                  "(the model's choice stays in model_label). Off by default.")
+FALLBACK = typer.Option(None, "--fallback-label", help="The answer below --min-prob (default: unsure); not a task "
+                                                      "label.")
 RECHECK = typer.Option(None, "--recheck-margin",
                        help="Re-decide near-ties (log-prob gap below this) on the exact one-at-a-time path. "
                             "Off by default: not needed on CPU, where bf16 is batch-invariant.")
@@ -121,11 +126,26 @@ def task_and_head(labels, instructions, task_file, head_dir, examples=None, shot
 
 
 def engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort, decision, max_padding=0.0,
-                  recheck_margin=None, dtype="float32") -> EngineConfig:
+                  recheck_margin=None, dtype="float32", min_prob=None, fallback_label=None) -> EngineConfig:
     return EngineConfig(
         batch_size=batch_size, max_batch_tokens=max_batch_tokens or None, prefix_cache=not no_prefix_cache,
         sort=not no_sort, decision=decision, max_padding=max_padding or None, recheck_margin=recheck_margin or None,
+        min_prob=min_prob, fallback_label=fallback_label,
     )
+
+
+def served_fallback(remote):
+    """The floor of the task a remote classifier sends to (labels.Fallback), or None."""
+    from slimroute.labels import Fallback
+
+    floor = remote.fallback() if remote is not None else None
+    return Fallback(floor["min_prob"], floor["label"]) if floor else None
+
+
+def check_fallback(config: EngineConfig, answers) -> None:
+    """A fallback label that is one of the answers: ValueError, before the model loads."""
+    if config.fallback is not None:
+        config.fallback.check(answers)
 
 
 def resolve_dtype(dtype: str, device: str):
@@ -175,7 +195,7 @@ def classify(
     no_sort: bool = NO_SORT, decision: str = DECISION, limit: int = LIMIT,
     max_padding: float = MAX_PADDING, recheck_margin: float = RECHECK, head: Path = HEAD,
     examples: Path = EXAMPLES, shots: int = SHOTS, calibrate: str = CALIBRATE,
-    calibration_data: Path = CALIBRATION_DATA,
+    calibration_data: Path = CALIBRATION_DATA, min_prob: float = MIN_PROB, fallback_label: str = FALLBACK,
     reference: bool = typer.Option(False, "--reference", help="Use the slow one-at-a-time reference path."),
     summary_json: Path = typer.Option(None, "--summary-json", help="Also write the summary as JSON."),
     window: int = typer.Option(2048, "--window", help="Rows read, classified and committed together."),
@@ -207,11 +227,16 @@ def classify(
              "(slimroute serve --calibrate); the Ray backend does not calibrate yet")
     if examples is not None and server:
         fail("with --server the prompt is the server's; start it with slimroute serve --examples")
+    if (min_prob is not None or fallback_label is not None) and server:
+        fail("with --server the fallback floor is the server's setting: slimroute serve --min-prob")
     if backend == "ray":
+        try:
+            ray_config = engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort, decision, max_padding,
+                                       recheck_margin, dtype, min_prob, fallback_label)
+        except ValueError as exc:
+            fail(str(exc))
         return classify_on_ray(input, out, labels, instructions, task, model, dtype, text_column, id_column,
-                               label_column, engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort,
-                                                           decision, max_padding, recheck_margin, dtype),
-                               replicas, threads_per_replica, ray_address, examples, shots)
+                               label_column, ray_config, replicas, threads_per_replica, ray_address, examples, shots)
     try:
         remote = None
         if server:
@@ -228,7 +253,8 @@ def classify(
         calibration = calibration_settings(calibrate, calibration_data, text_column, label_column)
         calibration.check_data(answers, the_head)  # before the model loads
         config = engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort, decision, max_padding,
-                               recheck_margin, dtype)
+                               recheck_margin, dtype, min_prob, fallback_label)
+        check_fallback(config, answers)
         job = JobConfig(window, limit, resume, overwrite, errors)
         rows = iter_rows(input, text_column, id_column, label_column)
         choice = None if server else resolve_dtype(dtype, device)
@@ -241,7 +267,8 @@ def classify(
         )
         output = DurableOutput.prepare(out, answers, input_fingerprint(input), settings,
                                        resume=job.resume, overwrite=job.overwrite, errors=job.errors,
-                                       raw_columns=calibration.on)
+                                       raw_columns=calibration.on,
+                                       routed_column=bool(config.fallback or served_fallback(remote)))
         classifier = remote or make_classifier(load(model, dtype, threads, device), the_task, config, reference,
                                                the_head)
         classifier, offsets = calibrated(classifier, calibration, output.record.calibration)
@@ -256,7 +283,7 @@ def classify(
     total = count_rows(input)
     if total is not None and job.limit:
         total = min(total, job.limit)
-    summary = JobSummary.from_state(answers, output.record.summary)
+    summary = JobSummary.from_state(answers, output.record.summary, config.fallback or served_fallback(remote))
     summary.dtype = str(choice) if choice else None
     if output.resuming:
         console.print(f"resuming: {output.record.rows_done} rows ({output.record.windows_done} windows) "
@@ -338,7 +365,7 @@ def make_classifier(loaded, task, config: EngineConfig, reference: bool = False,
         from slimroute.reference import ReferenceClassifier
 
         return ReferenceClassifier(loaded.model, loaded.tokenizer, task, config.decision, loaded.max_positions,
-                                   head)
+                                   head, fallback=config.fallback)
     from slimroute.engine import Engine
 
     return Engine.from_loaded(loaded, task, config, head)
@@ -354,7 +381,7 @@ def verify(
     no_sort: bool = NO_SORT, decision: str = DECISION, limit: int = LIMIT,
     max_padding: float = MAX_PADDING, recheck_margin: float = RECHECK, head: Path = HEAD,
     examples: Path = EXAMPLES, shots: int = SHOTS, calibrate: str = CALIBRATE,
-    calibration_data: Path = CALIBRATION_DATA,
+    calibration_data: Path = CALIBRATION_DATA, min_prob: float = MIN_PROB, fallback_label: str = FALLBACK,
     json_out: Path = typer.Option(None, "--json", help="Write the agreement record here."),
 ):
     """Run the reference and the fast path on the same items; exit 1 on any disagreement.
@@ -371,7 +398,8 @@ def verify(
         calibration = calibration_settings(calibrate, calibration_data, text_column, label_column)
         calibration.check_data(answers, the_head)
         config = engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort, decision, max_padding,
-                               recheck_margin, dtype)
+                               recheck_margin, dtype, min_prob, fallback_label)
+        check_fallback(config, answers)
         rows = read_input(input, text_column, id_column, label_column, limit)
         loaded = load(model, dtype, threads, device)
         fast, offsets = calibrated(make_classifier(loaded, the_task, config, head=the_head), calibration)
@@ -389,7 +417,8 @@ def verify(
     record = {**result.to_dict(), "reference_s": ref_s, "fast_s": fast_s, "dtype": loaded.precision,
               "dtype_reason": loaded.precision_reason, "model": model, "padding_overhead": fast.stats.padding.overhead,
               "head": str(head) if head else None, "prefix_tokens": len(fast.prompt.prefix_ids),
-              "calibration": offsets.to_dict() if offsets is not None else None}
+              "calibration": offsets.to_dict() if offsets is not None else None,
+              "fallback": asdict(config.fallback) if config.fallback is not None else None}
     console.print(
         f"dtype {loaded.precision} ({loaded.precision_reason}): "
         f"label agreement {100 * result.agreement:.2f}% ({result.num_agree}/{result.num_items}), "
@@ -650,7 +679,7 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(8000, "--port"),
     batch_size: int = BATCH, max_batch_tokens: int = MAX_TOKENS, max_padding: float = MAX_PADDING,
-    recheck_margin: float = RECHECK, head: Path = HEAD,
+    recheck_margin: float = RECHECK, head: Path = HEAD, min_prob: float = MIN_PROB, fallback_label: str = FALLBACK,
     max_gather_tokens: int = typer.Option(
         8192, "--max-gather-tokens", help="Item tokens gathered from the queue into one engine call (0: no cap)."
     ),
@@ -691,7 +720,9 @@ def serve(
         task_set = with_accuracy_options(task_set, examples, shots, text_column, label_column or "label", calibration,
                                          the_head)
         config = engine_config(batch_size, max_batch_tokens, False, False, decision, max_padding, recheck_margin,
-                               dtype)
+                               dtype, min_prob, fallback_label)
+        for served in task_set.tasks.values():
+            check_fallback(config, the_head.labels if the_head else served.labels)
         choice = resolve_dtype(dtype, device)
     except ValueError as exc:
         fail(str(exc))

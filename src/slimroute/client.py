@@ -52,7 +52,8 @@ def to_prediction(item: dict) -> Prediction:
     logprobs = dict(item["logprobs"])
     calibrated = item.get("calibrated_logprobs")
     return Prediction(item["label"], logprobs, item.get("num_tokens", 0), item.get("truncated", False),
-                      calibrated_logprobs=dict(calibrated) if calibrated is not None else None)
+                      calibrated_logprobs=dict(calibrated) if calibrated is not None else None,
+                      model_label=item.get("model_label"))
 
 
 def raise_for_error(response: httpx.Response) -> None:
@@ -123,6 +124,10 @@ class RemoteClassifier:
             if task["name"] == name:
                 return task
         raise ValueError(f"task {name!r} is not served at {self.url}; served: {[t['name'] for t in info['tasks']]}")
+
+    def fallback(self) -> dict | None:
+        """The served task's fallback floor ({"min_prob", "label"}), or None."""
+        return self.task_info().get("fallback")
 
     def labels(self) -> tuple[str, ...]:
         """The task's labels, in the server's order."""

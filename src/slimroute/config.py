@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from slimroute.labels import DECISIONS
+from slimroute.labels import DECISIONS, DEFAULT_FALLBACK, Fallback
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,11 @@ class EngineConfig:
     # Near-ties whose decision margin (log-prob gap to the runner-up) is below this are re-decided by the
     # exact one-at-a-time path, so bf16 batching noise cannot flip them. None: off (fp32 needs none).
     recheck_margin: float | None = None
+    # A floor under the answers: an item whose chosen label has probability below min_prob (the probabilities
+    # the decision used, renormalised over the labels) gets fallback_label ("unsure" when None) instead.
+    # None: off. Applied after the decision, identically in the reference.
+    min_prob: float | None = None
+    fallback_label: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
@@ -39,3 +44,12 @@ class EngineConfig:
             raise ValueError(f"recheck_margin must be >= 0 or None, got {self.recheck_margin!r}")
         if self.decision not in DECISIONS:
             raise ValueError(f"decision must be one of {', '.join(DECISIONS)}, got {self.decision!r}")
+        if self.fallback_label is not None and self.min_prob is None:
+            raise ValueError(f"fallback_label {self.fallback_label!r} needs min_prob (the floor it applies under)")
+        _ = self.fallback  # builds the Fallback, which raises naming a bad min_prob or fallback_label
+
+    @property
+    def fallback(self) -> Fallback | None:
+        if self.min_prob is None:
+            return None
+        return Fallback(self.min_prob, DEFAULT_FALLBACK if self.fallback_label is None else self.fallback_label)

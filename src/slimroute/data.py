@@ -295,19 +295,24 @@ def record_columns(path) -> list[str]:
 # --------------------------------------------------------------------------- writing predictions
 
 
-def output_columns(labels: list[str], raw: bool = False) -> list[str]:
-    """raw: calibration is on, so the model's own probabilities follow the calibrated ones."""
+def output_columns(labels: list[str], raw: bool = False, routed: bool = False) -> list[str]:
+    """raw: calibration is on, so the model's own probabilities follow the calibrated ones; routed: a fallback
+    floor is on, so the model's own choice (model_label) follows the answer."""
     raw_columns = [f"raw_p_{label}" for label in labels] if raw else []
-    return ["id", "label", *(f"p_{label}" for label in labels), *raw_columns, "truncated", "error"]
+    routed_columns = ["model_label"] if routed else []
+    return ["id", "label", *routed_columns, *(f"p_{label}" for label in labels), *raw_columns, "truncated", "error"]
 
 
-def output_record(row: Row, pred: Prediction, labels: list[str], raw: bool = False) -> dict:
+def output_record(row: Row, pred: Prediction, labels: list[str], raw: bool = False, routed: bool = False) -> dict:
     """One output row; an error row (from the input or the model) has no label and no probabilities.
     p_<label> are the probabilities the decision used (calibrated, when calibration is on); with raw=True
-    raw_p_<label> are the model's own, both renormalised over the labels."""
+    raw_p_<label> are the model's own, both renormalised over the labels. With routed=True, model_label is the
+    decision's choice and label the answer (the fallback label when the floor routed the row there)."""
     error = row.error or pred.error
     probs = {} if error else pred.probs
     record: dict = {"id": row.id, "label": None if error else pred.label}
+    if routed:
+        record["model_label"] = None if error else pred.model_label
     record.update({f"p_{label}": probs.get(label) for label in labels})
     if raw:
         raw_probs = {} if error else pred.raw_probs
@@ -316,9 +321,9 @@ def output_record(row: Row, pred: Prediction, labels: list[str], raw: bool = Fal
     return record
 
 
-def output_schema(labels: list[str], raw: bool = False) -> pa.Schema:
-    fields = [pa.field("id", pa.string()), pa.field("label", pa.string())]
-    fields += [pa.field(name, pa.float64()) for name in output_columns(labels, raw)[2:-2]]
+def output_schema(labels: list[str], raw: bool = False, routed: bool = False) -> pa.Schema:
+    fields = [pa.field(name, pa.string()) for name in ("id", "label", "model_label")[:3 if routed else 2]]
+    fields += [pa.field(name, pa.float64()) for name in output_columns(labels, raw, routed)[len(fields):-2]]
     return pa.schema(fields + [pa.field("truncated", pa.bool_()), pa.field("error", pa.string())])
 
 

@@ -8,7 +8,8 @@ batch's cache. With a tuned head (head.py) that same
 hidden state (and, if the head uses them, the label log-probs) goes through the head instead, whose
 labels are the answers; `features` hands the head's inputs out for tuning. Calibration offsets, when
 set, are subtracted from the label log-probs before the decision, exactly as in the reference (a head is
-never calibrated: calibration.check_head).
+never calibrated: calibration.check_head). A fallback floor (config.min_prob) then routes low-probability
+answers to its label, as the reference does (labels.Fallback).
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ class Engine:
         check_head(self.head, calibration)
         self.calibration = calibration.check(self.labels, self.answer_ids) if calibration is not None else None
         self._offsets = self.calibration.values if self.calibration is not None else None
+        self.fallback = self.config.fallback.check(self.labels) if self.config.fallback else None
         self._own_recheck = self.config.recheck_margin is not None and recheck is None
         self.recheck = self._reference_recheck() if self._own_recheck else recheck
 
@@ -91,7 +93,7 @@ class Engine:
         from slimroute.reference import ReferenceClassifier
 
         return ReferenceClassifier(self.model, self.tokenizer, self.task, self.config.decision, self.max_positions,
-                                   self.head, self.calibration).classify_one
+                                   self.head, self.calibration, self.fallback).classify_one
 
     @classmethod
     def from_loaded(cls, loaded, task: Task, config: EngineConfig | None = None, head=None,
@@ -186,7 +188,8 @@ class Engine:
             if decision_margin(cfg.decision, self.answer_ids, scores) < cfg.recheck_margin:
                 (run or self.stats).num_rechecked += 1
                 return self.recheck(text)
-        return make_prediction(self.labels, self.answer_ids, lps, cfg.decision, num_tokens, truncated, self._offsets)
+        return make_prediction(self.labels, self.answer_ids, lps, cfg.decision, num_tokens, truncated, self._offsets,
+                               self.fallback)
 
     @torch.inference_mode()
     def features(self, texts: list[str], with_label_logprobs: bool = False, progress=None,

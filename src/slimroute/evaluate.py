@@ -2,6 +2,11 @@
 
 Prediction rows with an error (no label) are counted, not scored, as in classify's summary; gold rows
 without a prediction (e.g. a --limit run) and predictions without a gold label are counted too.
+
+Floors: each scored row's probability of the model's own choice (p_<model_label>, else p_<label>) against
+whether that choice is right gives, per coverage, the --min-prob that keeps it and the accuracy of the rows it
+answers (metrics.floor_points). When the file was written with a floor (a model_label column), the rows it
+routed to the fallback label are counted, and the metrics of the rows it answered are given beside the whole.
 """
 
 from __future__ import annotations
@@ -9,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from slimroute.data import InputError, _optional_str, iter_records, record_columns
-from slimroute.metrics import Metrics
+from slimroute.metrics import FloorPoint, Metrics, floor_points
 
 
 @dataclass(frozen=True)
@@ -19,25 +24,53 @@ class Evaluation:
     num_errors: int  # matched prediction rows without a label (error rows), not scored
     num_missing: int  # gold rows without a prediction
     num_without_gold: int  # prediction rows whose id has no gold label
+    floors: tuple[FloorPoint, ...] = ()  # per coverage: the floor, what it answers, their accuracy
+    floored: bool = False  # the file was written with a floor (it has a model_label column)
+    fallback_label: str | None = None  # the label the floor routed scored rows to (None if it routed none)
+    num_fallback: int = 0  # scored rows routed there
+
+    @property
+    def answered(self) -> Metrics | None:
+        """The metrics of the scored rows the file's floor answered (None without a floor)."""
+        if not self.floored:
+            return None
+        return self.metrics.without_prediction(self.fallback_label) if self.fallback_label else self.metrics
 
     def to_dict(self) -> dict:
-        return {**self.metrics.to_dict(), "predictions": self.num_predictions, "errors": self.num_errors,
-                "gold_without_prediction": self.num_missing, "predictions_without_gold": self.num_without_gold}
+        answered = self.answered
+        return {**self.metrics.to_dict(), "macro_f1": self.metrics.macro_f1_except(self.fallback_label),
+                "predictions": self.num_predictions, "errors": self.num_errors,
+                "gold_without_prediction": self.num_missing, "predictions_without_gold": self.num_without_gold,
+                "floors": [point.to_dict() for point in self.floors],
+                "fallback": None if answered is None else {
+                    "label": self.fallback_label, "rows": self.num_fallback, "answered": answered.num_items,
+                    "answered_accuracy": answered.accuracy}}
 
 
-def _by_id(path, id_column: str, label_column: str, what: str) -> dict[str, str | None]:
+def _by_id(path, id_column: str, label_column: str, what: str) -> dict[str, dict]:
+    """id -> record (the row number when the id is empty), checking the label column exists."""
     columns = record_columns(path)
     if label_column not in columns:
         listed = ", ".join(repr(c) for c in columns) or "none"
         raise InputError(f"{what} {str(path)!r} has no column {label_column!r}; available columns: {listed}")
-    labels: dict[str, str | None] = {}
+    records: dict[str, dict] = {}
     for index, record in enumerate(iter_records(path)):
         key = _optional_str(record.get(id_column)) or str(index)
-        if key in labels:
+        if key in records:
             raise InputError(f"{what} {str(path)!r}: id {key!r} appears twice; eval joins the files by id "
                              f"(pass --id-column with a unique id)")
-        labels[key] = _optional_str(record.get(label_column))
-    return labels
+        records[key] = record
+    return records
+
+
+def _confidence(record: dict) -> float | None:
+    """The probability of the model's own choice in a prediction row (None if the row has none)."""
+    choice = _optional_str(record.get("model_label")) or _optional_str(record.get("label"))
+    value = record.get(f"p_{choice}") if choice is not None else None
+    try:
+        return float(value) if value not in (None, "") else None
+    except (TypeError, ValueError):
+        return None
 
 
 def task_labels(path) -> list[str]:
@@ -49,13 +82,21 @@ def evaluate_files(predictions, gold, id_column: str = "id", label_column: str =
     """predictions: classify's output (columns id, label, p_<label>...); gold: any input file with ids
     (--id-column, else the row number, as classify numbers rows) and gold labels (--label-column)."""
     predicted = _by_id(predictions, "id", "label", "predictions file")
-    golds = {k: v for k, v in _by_id(gold, id_column, label_column, "gold file").items() if v is not None}
+    golds = {k: v for k, r in _by_id(gold, id_column, label_column, "gold file").items()
+             if (v := _optional_str(r.get(label_column))) is not None}
     if not golds:
         raise InputError(f"gold file {str(gold)!r} has no gold labels in column {label_column!r}")
     matched = [(golds[k], predicted[k]) for k in golds if k in predicted]
     if not matched:
         raise InputError(f"no id of {str(predictions)!r} is in {str(gold)!r}; check --id-column")
-    scored = [(g, p) for g, p in matched if p is not None]
-    metrics = Metrics.from_pairs([g for g, _ in scored], [p for _, p in scored], task_labels(predictions))
+    scored = [(g, r) for g, r in matched if _optional_str(r.get("label")) is not None]
+    metrics = Metrics.from_pairs([g for g, _ in scored], [_optional_str(r["label"]) for _, r in scored],
+                                 task_labels(predictions))
+    chosen = [(g, _optional_str(r.get("model_label")) or _optional_str(r["label"]), _confidence(r)) for g, r in scored]
+    rated = [(p, g == choice) for g, choice, p in chosen if p is not None]
+    routed = [_optional_str(r["label"]) for _, r in scored
+              if _optional_str(r.get("model_label")) not in (None, _optional_str(r["label"]))]
     return Evaluation(metrics, len(predicted), len(matched) - len(scored), len(golds) - len(matched),
-                      sum(k not in golds for k in predicted))
+                      sum(k not in golds for k in predicted),
+                      tuple(floor_points([p for p, _ in rated], [ok for _, ok in rated])),
+                      "model_label" in record_columns(predictions), routed[0] if routed else None, len(routed))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from slimroute.calibration import estimate_offsets
 from slimroute.data import Row
-from slimroute.labels import Prediction
+from slimroute.labels import Fallback, Prediction
 from slimroute.metrics import Metrics
 
 DEFAULT_WINDOW = 2048
@@ -132,6 +132,8 @@ class JobSummary:
     padding_overhead: float | None = None
     num_resumed: int = 0  # rows committed by earlier, interrupted runs of the same job
     dtype: str | None = None  # what --dtype resolved to and why, e.g. "int8 (AVX2 without native BF16)"
+    fallback: Fallback | None = None  # the floor under the answers, if any
+    num_fallback: int = 0  # rows routed to the fallback label
 
     @property
     def items_per_s(self) -> float:
@@ -141,12 +143,14 @@ class JobSummary:
     def state(self) -> dict:
         """The counts, for the progress record (so a resumed job's summary covers every row)."""
         return {"items": self.num_items, "errors": self.num_errors, "truncated": self.num_truncated,
+                "fallback": self.num_fallback,
                 "confusion": [[g, p, n] for (g, p), n in sorted(self.confusion.items())]}
 
     @classmethod
-    def from_state(cls, labels: list[str], state: dict) -> JobSummary:
+    def from_state(cls, labels: list[str], state: dict, fallback: Fallback | None = None) -> JobSummary:
         summary = cls(list(labels), num_items=state.get("items", 0), num_errors=state.get("errors", 0),
-                      num_truncated=state.get("truncated", 0), num_resumed=state.get("items", 0))
+                      num_truncated=state.get("truncated", 0), num_resumed=state.get("items", 0),
+                      fallback=fallback, num_fallback=state.get("fallback", 0))
         summary.confusion.update({(g, p): n for g, p, n in state.get("confusion", [])})
         return summary
 
@@ -161,6 +165,10 @@ class JobSummary:
     def accuracy(self) -> float | None:
         return self.metrics().accuracy
 
+    def answered_metrics(self) -> Metrics | None:
+        """With a fallback floor: the metrics of the rows it did not route to its label."""
+        return self.metrics().without_prediction(self.fallback.label) if self.fallback is not None else None
+
     def add(self, rows: Iterable[Row], preds: Iterable[Prediction]) -> None:
         for row, pred in zip(rows, preds, strict=True):
             self.num_items += 1
@@ -168,8 +176,15 @@ class JobSummary:
                 self.num_errors += 1
                 continue
             self.num_truncated += int(pred.truncated)
+            self.num_fallback += int(pred.label != pred.model_label)
             if row.gold is not None:
                 self.confusion[(row.gold, pred.label)] += 1
+
+    def _fallback_dict(self) -> dict:
+        answered = self.answered_metrics()
+        return {"fallback": {"min_prob": self.fallback.min_prob, "label": self.fallback.label,
+                             "rows": self.num_fallback, "answered_accuracy": answered.accuracy,
+                             "answered_gold_rows": answered.num_items}}
 
     def to_dict(self) -> dict:
         return {
@@ -181,7 +196,8 @@ class JobSummary:
             "seconds": round(self.seconds, 3),
             "items_per_s": round(self.items_per_s, 3),
             "accuracy": self.accuracy,
-            "macro_f1": self.metrics().macro_f1,
+            "macro_f1": self.metrics().macro_f1_except(self.fallback.label if self.fallback else None),
             "padding_overhead": self.padding_overhead,
+            **(self._fallback_dict() if self.fallback is not None else {}),
             "confusion": [[g, p, n] for (g, p), n in sorted(self.confusion.items())],
         }

@@ -9,13 +9,41 @@ They differ when labels have different lengths or share first tokens.
 
 Calibration (calibration.py) subtracts an offset from each label token's log-prob before either
 rule decides; the model's own log-probs are kept next to the calibrated ones.
+
+A fallback floor (`Fallback`) comes last: when the chosen label's probability (`Prediction.probs`, the ones the
+decision used) is below `min_prob`, the answer is the fallback label (a route such as a human queue) and the
+model's own choice stays in `model_label`. Both paths apply it to the same numbers, so it cannot split them.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 DECISIONS = ("greedy", "max-prob")
+DEFAULT_FALLBACK = "unsure"
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """Answer `label` instead of the model's choice when that choice's probability is below `min_prob`."""
+
+    min_prob: float
+    label: str = DEFAULT_FALLBACK
+
+    def __post_init__(self):
+        if isinstance(self.min_prob, bool) or not isinstance(self.min_prob, (int, float)) \
+                or not 0 < self.min_prob <= 1:
+            raise ValueError(f"min_prob must be a probability in (0, 1], got {self.min_prob!r}")
+        if not isinstance(self.label, str) or not self.label.strip() or self.label != self.label.strip():
+            raise ValueError(f"fallback_label must be a non-empty string without outer spaces, got {self.label!r}")
+
+    def check(self, labels) -> Fallback:
+        """This floor, if its label is not one of the answers (else a row could not tell the two apart)."""
+        if self.label in labels:
+            raise ValueError(f"fallback_label {self.label!r} is one of the labels {list(labels)}; "
+                             "pick a name no label has (e.g. --fallback-label unsure)")
+        return self
 
 
 def label_token_ids(tokenizer, assistant_start: str, label: str) -> tuple[int, ...]:
@@ -71,13 +99,16 @@ class Prediction:
 
     `logprobs` are the model's (the sum over each label's tokens; `token_logprobs` per token). With
     calibration, `calibrated_logprobs` are the scores the decision used (log-prob minus offsets) and
-    `probs` come from them; `raw_probs` always come from the model's log-probs."""
+    `probs` come from them; `raw_probs` always come from the model's log-probs. `model_label` is the
+    decision's choice; `label` is the same unless a Fallback floor routed the item to its label."""
 
-    __slots__ = ("label", "logprobs", "num_tokens", "truncated", "error", "token_logprobs", "calibrated_logprobs")
+    __slots__ = ("label", "logprobs", "num_tokens", "truncated", "error", "token_logprobs", "calibrated_logprobs",
+                 "model_label")
 
     def __init__(self, label=None, logprobs=None, num_tokens=0, truncated=False, error=None, token_logprobs=None,
-                 calibrated_logprobs=None):
-        self.label: str | None = label
+                 calibrated_logprobs=None, model_label=None):
+        self.label: str | None = label  # the answer: the fallback label when a floor routed it there
+        self.model_label: str | None = model_label if model_label is not None else label  # the decision's choice
         self.logprobs: dict[str, float] = logprobs or {}
         self.num_tokens: int = num_tokens
         self.truncated: bool = truncated
@@ -101,7 +132,8 @@ class Prediction:
         return _renormalised(self.logprobs)
 
     def __repr__(self):
-        return f"Prediction(label={self.label!r}, error={self.error!r})"
+        routed = f", model_label={self.model_label!r}" if self.model_label != self.label else ""
+        return f"Prediction(label={self.label!r}{routed}, error={self.error!r})"
 
 
 def _renormalised(logprobs: dict[str, float]) -> dict[str, float]:
@@ -119,22 +151,28 @@ def apply_offsets(token_logprobs: list[list[float]], offsets) -> list[list[float
 
 
 def make_prediction(labels, label_ids, token_logprobs, rule, num_tokens=0, truncated=False,
-                    offsets=None) -> Prediction:
-    """The decision over the label tokens' log-probs, after subtracting `offsets` when given."""
+                    offsets=None, fallback: Fallback | None = None) -> Prediction:
+    """The decision over the label tokens' log-probs, after subtracting `offsets` when given; then, with a
+    fallback, its label when the chosen label's probability is below the floor."""
     scores = apply_offsets(token_logprobs, offsets) if offsets is not None else token_logprobs
     choice = decide(rule, label_ids, scores)
     logprobs = {label: float(sum(lps)) for label, lps in zip(labels, token_logprobs, strict=True)}
     calibrated = None
     if offsets is not None:
         calibrated = {label: float(sum(s)) for label, s in zip(labels, scores, strict=True)}
-    return Prediction(labels[choice], logprobs, num_tokens, truncated, None, token_logprobs, calibrated)
+    pred = Prediction(labels[choice], logprobs, num_tokens, truncated, None, token_logprobs, calibrated)
+    if fallback is not None and pred.probs[pred.model_label] < fallback.min_prob:
+        pred.label = fallback.label
+    return pred
 
 
-def redecide(pred: Prediction, labels, label_ids, rule: str, offsets=None) -> Prediction:
+def redecide(pred: Prediction, labels, label_ids, rule: str, offsets=None, fallback: Fallback | None = None
+             ) -> Prediction:
     """The same prediction decided again from its per-token log-probs with `offsets` (error rows pass)."""
     if pred.error is not None or pred.token_logprobs is None:
         return pred
-    return make_prediction(labels, label_ids, pred.token_logprobs, rule, pred.num_tokens, pred.truncated, offsets)
+    return make_prediction(labels, label_ids, pred.token_logprobs, rule, pred.num_tokens, pred.truncated, offsets,
+                           fallback)
 
 
 def decision_margin(rule: str, label_ids: list[tuple[int, ...]], token_logprobs: list[list[float]]) -> float:

@@ -9,6 +9,7 @@ matplotlib (the `plot` extra).
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -74,8 +75,23 @@ class Metrics:
 
     @property
     def macro_f1(self) -> float | None:
-        seen = [s.f1 for s in self.per_label.values() if s.support or s.predicted]
+        return self.macro_f1_except(None)
+
+    def macro_f1_except(self, fallback: str | None) -> float | None:
+        """Macro-F1 leaving out a fallback label that no item has as gold: it is a route, not a class (its
+        rows still lower their gold labels' recall)."""
+        seen = [s.f1 for label, s in self.per_label.items()
+                if (s.support or s.predicted) and not (label == fallback and not s.support)]
         return sum(seen) / len(seen) if seen else None
+
+    def without_prediction(self, label: str) -> Metrics:
+        """The metrics of the items not predicted as `label` (e.g. a fallback label: the rows answered)."""
+        counts = Counter()
+        for i, gold in enumerate(self.labels):
+            for j, pred in enumerate(self.labels):
+                if pred != label and self.confusion[i][j]:
+                    counts[(gold, pred)] += self.confusion[i][j]
+        return Metrics.from_counts(counts, [name for name in self.labels if name != label])
 
     def to_dict(self) -> dict:
         return {
@@ -84,6 +100,50 @@ class Metrics:
                           for label, s in self.per_label.items()},
             "labels": list(self.labels), "confusion": [list(row) for row in self.confusion],
         }
+
+
+@dataclass(frozen=True)
+class FloorPoint:
+    """What a fallback floor at `min_prob` does to a labelled run: how many items it still answers (their
+    probability >= min_prob) and how many of those are right."""
+
+    min_prob: float
+    answered: int
+    correct: int
+    total: int
+
+    @property
+    def coverage(self) -> float:
+        return self.answered / self.total if self.total else 0.0
+
+    @property
+    def accuracy(self) -> float | None:
+        return self.correct / self.answered if self.answered else None
+
+    def to_dict(self) -> dict:
+        return {"min_prob": self.min_prob, "answered": self.answered, "coverage": self.coverage,
+                "accuracy": self.accuracy}
+
+
+COVERAGES = (1.0, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5)
+
+
+def floor_points(confidences: list[float], correct: list[bool], coverages=COVERAGES) -> list[FloorPoint]:
+    """For each coverage c, a floor that answers at least c of the items (the probability of the ceil(c * n)-th
+    most confident one, rounded down to 3 decimals: a value to pass as --min-prob), with what it answers and how
+    many of those are right. An item with probability p is answered by a floor t when p >= t, as the
+    classifier's --min-prob does."""
+    ranked = sorted(zip(confidences, correct, strict=True), key=lambda pair: -pair[0])
+    total, points = len(ranked), []
+    for c in coverages:
+        if not total:
+            break
+        floor = math.floor(ranked[max(1, math.ceil(c * total - 1e-9)) - 1][0] * 1000) / 1000
+        kept = [ok for p, ok in ranked if p >= floor]
+        point = FloorPoint(floor, len(kept), sum(kept), total)
+        if not points or point.answered != points[-1].answered:
+            points.append(point)
+    return points
 
 
 def check_plotting(path) -> None:

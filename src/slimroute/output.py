@@ -129,17 +129,19 @@ class DurableOutput:
     files; `commit` makes one window durable; `finish` completes the job; `close` leaves committed state."""
 
     def __init__(self, out: Path, labels: list[str], record: ProgressRecord, resuming: bool,
-                 errors: Path | None = None, raw_columns: bool = False):
+                 errors: Path | None = None, raw_columns: bool = False, routed_column: bool = False):
         self.out, self.labels, self.record, self.errors = out, list(labels), record, errors
-        self.resuming, self.raw_columns = resuming, raw_columns
+        self.resuming, self.raw_columns, self.routed_column = resuming, raw_columns, routed_column
         self.format = FORMATS[out.suffix.lower()]
         self.progress, self.parts = progress_path(out), parts_path(out)
         self._out_file = self._errors_file = None
 
     @classmethod
     def prepare(cls, out, labels: list[str], input_fp: dict, settings: dict, *, resume: bool = False,
-                overwrite: bool = False, errors=None, raw_columns: bool = False) -> DurableOutput:
-        """raw_columns: calibration is on; rows carry raw_p_<label> next to p_<label>."""
+                overwrite: bool = False, errors=None, raw_columns: bool = False,
+                routed_column: bool = False) -> DurableOutput:
+        """raw_columns: calibration is on; rows carry raw_p_<label> next to p_<label>. routed_column: a fallback
+        floor is on; rows carry model_label next to label."""
         out, errors = Path(out), Path(errors) if errors else None
         if out.suffix.lower() not in FORMATS:
             raise OutputError(f"--out {str(out)!r} must end in .jsonl, .csv or .parquet")
@@ -149,7 +151,7 @@ class DurableOutput:
             raise OutputError("give either --resume or --overwrite, not both")
         fresh = ProgressRecord(input_fp, settings)
         if overwrite:
-            return cls(out, labels, fresh, False, errors, raw_columns)
+            return cls(out, labels, fresh, False, errors, raw_columns, routed_column)
         record = ProgressRecord.read(progress_path(out))
         existing = [p for p in (out, errors) if p is not None and p.exists()]
         if record is None and not resume and existing:
@@ -160,7 +162,7 @@ class DurableOutput:
                               "wrote it finished, or it was not written by slimroute classify); "
                               "pass --overwrite to start over")
         if record is None:
-            return cls(out, labels, fresh, False, errors, raw_columns)
+            return cls(out, labels, fresh, False, errors, raw_columns, routed_column)
         if not resume:
             raise OutputError(f"an unfinished job for {str(out)!r} has {record.rows_done} rows committed; "
                               "pass --resume to continue it or --overwrite to start over")
@@ -173,7 +175,7 @@ class DurableOutput:
             raise OutputError(f"cannot resume: settings differ from the interrupted run "
                               f"({'; '.join(changes)}); rerun with the original settings, "
                               "or pass --overwrite to start over")
-        job = cls(out, labels, record, True, errors, raw_columns)
+        job = cls(out, labels, record, True, errors, raw_columns, routed_column)
         job._check_committed()
         return job
 
@@ -231,7 +233,8 @@ class DurableOutput:
 
     def commit(self, rows: list[Row], preds: list[Prediction], summary_state: dict) -> None:
         """Make one window durable: its output, its error rows, then the progress record."""
-        records = [output_record(r, p, self.labels, self.raw_columns) for r, p in zip(rows, preds, strict=True)]
+        records = [output_record(r, p, self.labels, self.raw_columns, self.routed_column)
+                   for r, p in zip(rows, preds, strict=True)]
         failed = []
         if self.errors is not None:
             failed = [{"index": row.index, "id": rec["id"], "error": rec["error"]}
@@ -252,7 +255,7 @@ class DurableOutput:
 
     def _encode(self, records: list[dict]) -> bytes:
         first = self.format == "csv" and self.record.output_bytes == 0
-        header = output_columns(self.labels, self.raw_columns) if first else None
+        header = output_columns(self.labels, self.raw_columns, self.routed_column) if first else None
         return encode_records(self.format, records, header).encode("utf-8")
 
     @staticmethod
@@ -266,7 +269,8 @@ class DurableOutput:
         part = self._part_file(k)
         tmp = part.with_name(part.name + ".tmp")
         with open(tmp, "wb") as f:
-            pq.write_table(pa.Table.from_pylist(records, schema=output_schema(self.labels, self.raw_columns)), f)
+            schema = output_schema(self.labels, self.raw_columns, self.routed_column)
+            pq.write_table(pa.Table.from_pylist(records, schema=schema), f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, part)
@@ -289,7 +293,7 @@ class DurableOutput:
         here leaves the parts and the record, so resuming assembles again."""
         tmp = self.out.with_name(self.out.name + ".tmp")
         with open(tmp, "wb") as f:
-            writer = pq.ParquetWriter(f, output_schema(self.labels, self.raw_columns))
+            writer = pq.ParquetWriter(f, output_schema(self.labels, self.raw_columns, self.routed_column))
             for part in self._part_files():
                 table = pq.read_table(part)
                 if table.num_rows:

@@ -17,15 +17,15 @@ import torch
 from slimroute.attention import segments
 from slimroute.calibration import check_head
 from slimroute.head import item_states
-from slimroute.labels import Prediction, check_decision, make_prediction, redecide
+from slimroute.labels import Fallback, Prediction, check_decision, make_prediction, redecide
 from slimroute.task import Prompt, Task, encode, render_prompt
 
 
 class ReferenceClassifier:
     def __init__(self, model, tokenizer, task: Task, decision: str = "greedy", max_positions: int = 32768,
-                 head=None, calibration=None):
+                 head=None, calibration=None, fallback: Fallback | None = None):
         """calibration: calibration.Offsets subtracted from the label log-probs before the decision (not with a
-        head: ValueError)."""
+        head: ValueError). fallback: the floor under the answers (labels.Fallback), as the engine's config has it."""
         self.model, self.tokenizer, self.task = model, tokenizer, task
         if head is not None:
             head.check(model, tokenizer, task)
@@ -39,14 +39,16 @@ class ReferenceClassifier:
         check_head(head, calibration)
         self.calibration = calibration.check(self.labels, self.answer_ids) if calibration is not None else None
         self._offsets = self.calibration.values if self.calibration is not None else None
+        self.fallback = fallback.check(self.labels) if fallback is not None else None
 
     def with_calibration(self, offsets) -> ReferenceClassifier:
         return ReferenceClassifier(self.model, self.tokenizer, self.task, self.decision, self.prompt.max_positions,
-                                   self.head, offsets)
+                                   self.head, offsets, self.fallback)
 
     def redecide(self, texts: list[str], preds: list[Prediction]) -> list[Prediction]:
         """Predictions made before the offsets were known, decided again with them."""
-        return [redecide(p, self.labels, self.answer_ids, self.decision, self._offsets) for p in preds]
+        return [redecide(p, self.labels, self.answer_ids, self.decision, self._offsets, self.fallback)
+                for p in preds]
 
     @torch.inference_mode()
     def _next_token_logprobs(self, ids: list[int], item_end: int) -> torch.Tensor:
@@ -77,7 +79,7 @@ class ReferenceClassifier:
         else:
             lps = self._label_logprobs(prompt_ids)
         return make_prediction(self.labels, self.answer_ids, lps, self.decision, len(prompt_ids), truncated,
-                               self._offsets)
+                               self._offsets, self.fallback)
 
     def _label_logprobs(self, prompt_ids: list[int]) -> list[list[float]]:
         """token_logprobs[label][k] = log p(label's k-th token | prompt + its first k tokens)."""

@@ -8,33 +8,40 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from slimroute.metrics import Metrics
+from slimroute.metrics import LabelScores, Metrics
+
+_NO_SCORES = LabelScores(0.0, 0.0, 0.0, 0, 0)
 
 
 def pct(x) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
-def metrics_rows(table: Table, metrics: Metrics) -> None:
+def metrics_rows(table: Table, metrics: Metrics, fallback: str | None = None) -> None:
     table.add_row("accuracy", f"{pct(metrics.accuracy)} of {metrics.num_items}")
-    table.add_row("macro-F1", "-" if metrics.macro_f1 is None else f"{metrics.macro_f1:.3f}")
+    macro = metrics.macro_f1_except(fallback)
+    table.add_row("macro-F1", "-" if macro is None else f"{macro:.3f}")
 
 
-def print_metrics(console: Console, metrics: Metrics, per_label: bool = True) -> None:
-    """The per-label scores (when asked) and the confusion matrix."""
+def print_metrics(console: Console, metrics: Metrics, per_label: bool = True, fallback: str | None = None) -> None:
+    """The per-label scores (when asked) and the confusion matrix. A fallback label that no item has as gold
+    is an answer column only (no scores row, no gold row)."""
+    routed_only = fallback is not None and not metrics.per_label.get(fallback, _NO_SCORES).support
     if per_label:
         scores = Table(title="per label")
         for column in ("label", "precision", "recall", "F1", "support"):
             scores.add_column(column, justify="left" if column == "label" else "right")
         for label, s in metrics.per_label.items():
-            scores.add_row(label, f"{s.precision:.3f}", f"{s.recall:.3f}", f"{s.f1:.3f}", str(s.support))
+            if not (routed_only and label == fallback):
+                scores.add_row(label, f"{s.precision:.3f}", f"{s.recall:.3f}", f"{s.f1:.3f}", str(s.support))
         console.print(scores)
     matrix = Table(title="confusion (rows: gold, columns: predicted)")
     matrix.add_column("gold")
     for label in metrics.labels:
         matrix.add_column(label, justify="right")
     for label, row in zip(metrics.labels, metrics.confusion, strict=True):
-        matrix.add_row(label, *map(str, row))
+        if not (routed_only and label == fallback):
+            matrix.add_row(label, *map(str, row))
     console.print(matrix)
 
 
@@ -87,21 +94,43 @@ def print_summary(console: Console, summary, classifier=None, calibration: dict 
         values = ", ".join(f"{label} {value:+.3f}" for label, value in offsets.totals().items())
         table.add_row("calibration", f"{offsets.mode} from {offsets.num_inputs} texts ({offsets.source}); "
                                      f"offsets {values}")
+    if summary.fallback is not None:
+        share = pct(summary.num_fallback / summary.num_items) if summary.num_items else "-"
+        table.add_row("fallback", f"{summary.num_fallback} rows ({share}) answered {summary.fallback.label!r}: "
+                                  f"probability below {summary.fallback.min_prob:g}")
     metrics = summary.metrics()
     if metrics.num_items:
-        metrics_rows(table, metrics)
+        metrics_rows(table, metrics, summary.fallback.label if summary.fallback is not None else None)
+        answered = summary.answered_metrics()
+        if answered is not None:
+            table.add_row("accuracy answered", f"{pct(answered.accuracy)} of {answered.num_items} (the rest: "
+                                               f"{summary.fallback.label!r})")
     console.print(table)
     if metrics.num_items:
-        print_metrics(console, metrics, per_label=False)
+        print_metrics(console, metrics, per_label=False,
+                      fallback=summary.fallback.label if summary.fallback is not None else None)
     return {**summary.to_dict(), "prefix_tokens": prefix_tokens, "calibration": calibration}
 
 
 def print_evaluation(console: Console, evaluation) -> None:
     table = Table(title="eval", show_header=False)
-    metrics_rows(table, evaluation.metrics)
+    metrics_rows(table, evaluation.metrics, evaluation.fallback_label)
     table.add_row("prediction rows", str(evaluation.num_predictions))
     table.add_row("errors (not scored)", str(evaluation.num_errors))
     table.add_row("gold rows without a prediction", str(evaluation.num_missing))
     table.add_row("predictions without a gold label", str(evaluation.num_without_gold))
+    answered = evaluation.answered
+    if answered is not None:
+        label = repr(evaluation.fallback_label) if evaluation.fallback_label else "the fallback label"
+        table.add_row("routed to the fallback", f"{evaluation.num_fallback} ({label})")
+        table.add_row("accuracy answered", f"{pct(answered.accuracy)} of {answered.num_items}")
     console.print(table)
-    print_metrics(console, evaluation.metrics)
+    print_metrics(console, evaluation.metrics, fallback=evaluation.fallback_label)
+    if evaluation.floors:
+        floors = Table(title="floors: what --min-prob P would answer (by the probability of the model's choice)")
+        for column in ("coverage", "--min-prob", "answered", "accuracy answered"):
+            floors.add_column(column, justify="right")
+        for point in evaluation.floors:
+            floors.add_row(pct(point.coverage), f"{point.min_prob:.3f}", f"{point.answered} of {point.total}",
+                           pct(point.accuracy))
+        console.print(floors)

@@ -44,6 +44,7 @@ from slimroute.data import (
     output_schema,
 )
 from slimroute.jobs import DEFAULT_WINDOW, JobSummary, classify_rows
+from slimroute.labels import Fallback
 from slimroute.models import DEFAULT_MODEL
 from slimroute.task import Task
 
@@ -180,7 +181,8 @@ class ClassifierActor:
         self.labels = list(task.labels)
         self.columns = (text_column, id_column, label_column)
         self.telemetry = telemetry
-        self.schema = output_schema(self.labels)
+        self.routed = self.engine.fallback is not None  # a fallback floor: model_label follows label
+        self.schema = output_schema(self.labels, routed=self.routed)
         if telemetry:
             self.schema = pa.schema(list(self.schema) + list(TELEMETRY_SCHEMA))
         self.replica = f"{socket.gethostname()}:{os.getpid()}"
@@ -188,7 +190,7 @@ class ClassifierActor:
     def __call__(self, batch: pa.Table) -> pa.Table:
         start = time.time()
         rows = rows_of(batch, *self.columns)
-        records = [output_record(row, pred, self.labels)
+        records = [output_record(row, pred, self.labels, routed=self.routed)
                    for row, pred in zip(rows, classify_rows(self.engine, rows), strict=True)]
         if self.telemetry:
             rss_mb = psutil.Process().memory_info().rss / 2**20
@@ -292,11 +294,12 @@ def _check_cpus(replicas: int, threads: int, local: bool) -> None:
         log.warning("%s; replicas wait until the autoscaler adds nodes", message)
 
 
-def summarise(result: ray.data.MaterializedDataset, labels: list[str], start: float) -> dict:
+def summarise(result: ray.data.MaterializedDataset, labels: list[str], start: float,
+              fallback: Fallback | None = None) -> dict:
     """JobSummary fields plus per-replica counts, from the telemetry columns of a classified dataset.
     `seconds` runs from the first block's start to the last block's end, so replica startup (model
     load, prefix cache, warm-up) is left out of items/s; `startup_seconds` is `start` to the first block."""
-    summary = JobSummary(list(labels))
+    summary = JobSummary(list(labels), fallback=fallback)
     per_replica: dict[str, dict] = {}
     first, last = math.inf, -math.inf
     for batch in result.iter_batches(batch_format="pyarrow", batch_size=None):
@@ -306,6 +309,7 @@ def summarise(result: ray.data.MaterializedDataset, labels: list[str], start: fl
                 summary.num_errors += 1
             else:
                 summary.num_truncated += int(rec["truncated"])
+                summary.num_fallback += int(rec.get("model_label") not in (None, rec["label"]))
                 if rec["_gold"] is not None:
                     summary.confusion[(rec["_gold"], rec["label"])] += 1
             replica = per_replica.setdefault(
@@ -328,6 +332,8 @@ def run_ray_job(input_path, out_path, task: Task, model_spec: str = DEFAULT_MODE
 
     `threads_per_replica` defaults to the cluster's CPUs divided by `replicas`. Input and output paths
     must be visible to every node (on a cluster: a shared file system)."""
+    if engine_config is not None and engine_config.fallback is not None:
+        engine_config.fallback.check(task.labels)  # before Ray starts
     files = input_files(input_path)
     out, fmt = Path(out_path), output_format(out_path)
     prefixes = check_inputs(files, text_column, id_column, label_column)
@@ -347,7 +353,8 @@ def run_ray_job(input_path, out_path, task: Task, model_spec: str = DEFAULT_MODE
                                   block_rows=block_rows, telemetry=True)
         classify_start = time.time()
         result = result.materialize()
-        summary = summarise(result, list(task.labels), classify_start)
+        summary = summarise(result, list(task.labels), classify_start,
+                            engine_config.fallback if engine_config is not None else None)
         shards = result.drop_columns(TELEMETRY_SCHEMA.names)
         if fmt == "jsonl":
             shards.write_datasink(_JsonlDatasink(str(out), min_rows_per_file=ROWS_PER_FILE))

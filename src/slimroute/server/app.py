@@ -105,7 +105,8 @@ class ClassifyRequest(BaseModel):
 
 class ItemResult(BaseModel):
     id: ItemId | None
-    label: str
+    label: str  # the answer: the fallback label when the server's floor (--min-prob) routed the text there
+    model_label: str  # the decision's own choice (equal to label unless routed)
     probs: dict[str, float]  # renormalised over the labels
     logprobs: dict[str, float]  # exact log-probability of each label's tokens
     calibrated_logprobs: dict[str, float] | None = None  # with calibration: logprobs minus offsets (probs use them)
@@ -224,6 +225,7 @@ class Service:
                   "num_examples": len(e.task.examples),
                   "prefix_tokens": len(e.prompt.prefix_ids) if hasattr(e, "prompt") else None,
                   "calibration": e.calibration.to_dict() if getattr(e, "calibration", None) else None,
+                  "fallback": _fallback_info(getattr(e, "fallback", None)),
                   "default": name == self.default_task}
                  for name, e in self.engines.items()]
         s = self.settings
@@ -232,6 +234,10 @@ class Service:
                   "max_queue_items": s.batch.max_queue_items}
         return {"model": s.model_name, "dtype": s.dtype, "dtype_reason": s.dtype_reason, "ready": self.ready,
                 "default_task": self.default_task, "tasks": tasks, "limits": limits}
+
+
+def _fallback_info(fallback) -> dict | None:
+    return {"min_prob": fallback.min_prob, "label": fallback.label} if fallback is not None else None
 
 
 def create_app(
@@ -379,7 +385,7 @@ def create_app(
                     metrics.dropped.labels(task=name).inc()
         if result is None:
             return Response(status_code=499)  # nobody reads this; it ends the request cleanly
-        results = [ItemResult(id=i, label=p.label, probs=p.probs, logprobs=p.logprobs,
+        results = [ItemResult(id=i, label=p.label, model_label=p.model_label, probs=p.probs, logprobs=p.logprobs,
                               calibrated_logprobs=p.calibrated_logprobs, num_tokens=p.num_tokens,
                               truncated=p.truncated)
                    for i, p in zip(ids, result.predictions, strict=True)]
