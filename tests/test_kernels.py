@@ -1,4 +1,6 @@
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -156,3 +158,23 @@ def test_onednn_failure_falls_back_to_default_kernels_with_a_note(monkeypatch, c
     assert Engine(model, tok, task).classify(["refund my card"])[0].label == expected[0].label
     with pytest.raises(ValueError, match="oneDNN kernels do not work here: .*simulated failure"):
         set_linear_kernels(model, "onednn")
+
+
+def test_a_processs_first_vector_math_call_rounds_like_every_later_one():
+    """configure_threads warms MKL's vector math up (kernels.warm_up_vector_math): without it a process's first
+    torch.log over 12800 floats gave the second thread's half other values in 3 of 4 processes (Intel Xeon,
+    2 threads), and the first torch.cos in 12 of 30, so a process's first forward pass (the rotary cos/sin) could
+    differ from every later one. Checked in fresh processes, as a user's job starts (a race: several at once)."""
+    code = ("import torch\n"
+            "from slimroute.models import configure_threads\n"
+            "configure_threads(2)\n"
+            "x = torch.linspace(0.01, 30, 12800).reshape(200, 64)\n"
+            "names = ('log', 'cos', 'sin', 'exp', 'tanh')\n"
+            "first = [getattr(torch, name)(x) for name in names]\n"
+            "print(all(torch.equal(a, getattr(torch, name)(x)) for a, name in zip(first, names, strict=True)))\n")
+    runs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(4)]
+    for run in runs:
+        out, err = run.communicate(timeout=120)
+        assert run.returncode == 0, err
+        assert out.strip() == "True"

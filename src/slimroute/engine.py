@@ -27,7 +27,7 @@ from slimroute.batching import PaddingStats, pad_right, plan_batches
 from slimroute.calibration import check_head
 from slimroute.config import EngineConfig
 from slimroute.head import head_features, item_states, label_totals
-from slimroute.kernels import return_freed_memory
+from slimroute.kernels import return_freed_memory, warm_up_vector_math
 from slimroute.labels import Prediction, apply_offsets, decision_margin, make_prediction
 from slimroute.prefix_cache import PrefixCache, continue_cache
 from slimroute.scoring import LabelScorer
@@ -78,6 +78,7 @@ class Engine:
         self.device = next(model.parameters()).device
         tokens = [tok for ids in self.label_ids for tok in ids]
         self.scorer = LabelScorer(model.get_output_embeddings(), tokens)
+        warm_up_vector_math()  # a model built without load_model: its first pass must round like every later one
         self.prefix = PrefixCache(model, self.prompt.prefix_ids) if self.config.prefix_cache else None
         layers = decoder_layers(model)
         self._last_mlp = getattr(layers[-1], "mlp", None) if layers else None

@@ -54,7 +54,10 @@ WEIGHT_MAX = 127
 # FBGEMM_ZERO_POINT itself, u8 in [1, 127]) and to oneDNN as uint8 q + shift (in [1, 255])
 ACTIVATIONS = {"fbgemm": (63, 0), "onednn": (127, 128)}
 FBGEMM_ZERO_POINT = 64
-SCHEME = f"w{WEIGHT_MAX}-smooth-v3"  # part of the cache key: change it when the cached numbers or keys change
+# part of the cache key: change it when the cached numbers or keys change (v4: the smoothing pass, a process's first
+# forward, no longer meets a thread's first vector-math call: kernels.warm_up_vector_math; a v3 file made in an
+# unlucky process could hold other factors)
+SCHEME = f"w{WEIGHT_MAX}-smooth-v4"
 HEAD_BLOCK = 32  # rows per output-head GEMM call
 HEAD_CHUNK = 4096  # vocabulary rows of a compact head turned back into fp32 at a time (14.7 MB)
 # Measured, the head alone on 64-row calls (Intel Xeon with AMX, 2 threads, oneDNN fp32): blocks of 16 rows on

@@ -247,7 +247,10 @@ def configure_threads(threads: int | None) -> int:
     threads = threads or physical_cores()
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
+    from slimroute.kernels import warm_up_vector_math
+
     torch.set_num_threads(threads)
+    warm_up_vector_math()  # before any forward pass: a thread's first vector-math call can round differently
     return threads
 
 
