@@ -526,7 +526,7 @@ def test_a_served_floor_routes_low_probability_texts_and_says_so(tiny, offline):
         results = httpx.post(f"{url}/v1/classify", json={"texts": texts}).json()["results"]
         info = httpx.get(f"{url}/v1/info").json()
         with RemoteClassifier(url) as remote:
-            assert remote.fallback() == {"min_prob": floor, "label": "human"}
+            assert (remote.fallback().min_prob, remote.fallback().label) == (floor, "human")
             via_client = remote.classify(texts)
     for text, item, pred in zip(texts, results, via_client, strict=True):
         want = offline[text]

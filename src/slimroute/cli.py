@@ -134,14 +134,6 @@ def engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort, decisi
     )
 
 
-def served_fallback(remote):
-    """The floor of the task a remote classifier sends to (labels.Fallback), or None."""
-    from slimroute.labels import Fallback
-
-    floor = remote.fallback() if remote is not None else None
-    return Fallback(floor["min_prob"], floor["label"]) if floor else None
-
-
 def check_fallback(config: EngineConfig, answers) -> None:
     """A fallback label that is one of the answers: ValueError, before the model loads."""
     if config.fallback is not None:
@@ -268,7 +260,7 @@ def classify(
         output = DurableOutput.prepare(out, answers, input_fingerprint(input), settings,
                                        resume=job.resume, overwrite=job.overwrite, errors=job.errors,
                                        raw_columns=calibration.on,
-                                       routed_column=bool(config.fallback or served_fallback(remote)))
+                                       routed_column=bool(config.fallback or remote and remote.fallback()))
         classifier = remote or make_classifier(load(model, dtype, threads, device), the_task, config, reference,
                                                the_head)
         classifier, offsets = calibrated(classifier, calibration, output.record.calibration)
@@ -283,7 +275,7 @@ def classify(
     total = count_rows(input)
     if total is not None and job.limit:
         total = min(total, job.limit)
-    summary = JobSummary.from_state(answers, output.record.summary, config.fallback or served_fallback(remote))
+    summary = JobSummary.from_state(answers, output.record.summary, remote.fallback() if remote else config.fallback)
     summary.dtype = str(choice) if choice else None
     if output.resuming:
         console.print(f"resuming: {output.record.rows_done} rows ({output.record.windows_done} windows) "
@@ -533,15 +525,9 @@ def tune_from_descriptions(input, out, labels, instructions, task, model, dtype,
         head = tuning.description_head(engine, dict(described.descriptions), tuning.head_meta(model, loaded.precision,
                                                                                               task))
     head.save(out, overwrite)
-    table = Table(title="head from label descriptions (nothing fitted)", show_header=False)
-    for name, value in [("labels", ", ".join(head.labels)), ("features", f"{head.features} ({head.weight.shape[1]}),"
-                        " centred on content-free texts, unit length"),
-                        ("prompt", "the task's labels and instructions; the descriptions are the prototypes"),
-                        ("scores", f"{tuning.DESCRIPTION_SCALE:g} x cosine similarity to each description")]:
-        table.add_row(name, value)
-    console.print(table)
-    console.print(f"wrote {out / 'head.safetensors'} and {out / 'head.json'}; measure it: slimroute classify ... "
-                  f"--head {out} then slimroute eval")
+    from slimroute.report import print_description_head
+
+    print_description_head(console, head, out, tuning.DESCRIPTION_SCALE)
 
 
 @app.command("eval")

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from slimroute.labels import Prediction
+from slimroute.labels import Fallback, Prediction
 
 
 class ServerError(RuntimeError):
@@ -125,9 +125,10 @@ class RemoteClassifier:
                 return task
         raise ValueError(f"task {name!r} is not served at {self.url}; served: {[t['name'] for t in info['tasks']]}")
 
-    def fallback(self) -> dict | None:
-        """The served task's fallback floor ({"min_prob", "label"}), or None."""
-        return self.task_info().get("fallback")
+    def fallback(self) -> Fallback | None:
+        """The served task's fallback floor (serve --min-prob), or None."""
+        floor = self.task_info().get("fallback")
+        return Fallback(floor["min_prob"], floor["label"]) if floor else None
 
     def labels(self) -> tuple[str, ...]:
         """The task's labels, in the server's order."""

@@ -134,3 +134,16 @@ def print_evaluation(console: Console, evaluation) -> None:
             floors.add_row(pct(point.coverage), f"{point.min_prob:.3f}", f"{point.answered} of {point.total}",
                            pct(point.accuracy))
         console.print(floors)
+
+
+def print_description_head(console: Console, head, out, scale: float) -> None:
+    """What `tune --from-descriptions` made (head.Head, written to the folder out)."""
+    table = Table(title="head from label descriptions (nothing fitted)", show_header=False)
+    for name, value in [("labels", ", ".join(head.labels)), ("features", f"{head.features} ({head.weight.shape[1]}),"
+                        " centred on content-free texts, unit length"),
+                        ("prompt", "the task's labels and instructions; the descriptions are the prototypes"),
+                        ("scores", f"{scale:g} x cosine similarity to each description")]:
+        table.add_row(name, value)
+    console.print(table)
+    console.print(f"wrote {out / 'head.safetensors'} and {out / 'head.json'}; measure it: slimroute classify ... "
+                  f"--head {out} then slimroute eval")
