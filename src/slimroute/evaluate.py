@@ -63,19 +63,17 @@ def _by_id(path, id_column: str, label_column: str, what: str) -> dict[str, dict
     return records
 
 
-def _confidence(record: dict) -> float | None:
-    """The probability of the model's own choice in a prediction row (None if the row has none)."""
-    choice = _optional_str(record.get("model_label")) or _optional_str(record.get("label"))
-    value = record.get(f"p_{choice}") if choice is not None else None
+def _probability(value) -> float | None:
+    """A p_<label> cell as a float (None when the row has none)."""
     try:
         return float(value) if value not in (None, "") else None
     except (TypeError, ValueError):
         return None
 
 
-def task_labels(path) -> list[str]:
+def task_labels(columns: list[str]) -> list[str]:
     """The task's labels in order, from a predictions file's p_<label> columns."""
-    return [c[2:] for c in record_columns(path) if c.startswith("p_")]
+    return [c[2:] for c in columns if c.startswith("p_")]
 
 
 def evaluate_files(predictions, gold, id_column: str = "id", label_column: str = "label") -> Evaluation:
@@ -89,14 +87,16 @@ def evaluate_files(predictions, gold, id_column: str = "id", label_column: str =
     matched = [(golds[k], predicted[k]) for k in golds if k in predicted]
     if not matched:
         raise InputError(f"no id of {str(predictions)!r} is in {str(gold)!r}; check --id-column")
-    scored = [(g, r) for g, r in matched if _optional_str(r.get("label")) is not None]
-    metrics = Metrics.from_pairs([g for g, _ in scored], [_optional_str(r["label"]) for _, r in scored],
-                                 task_labels(predictions))
-    chosen = [(g, _optional_str(r.get("model_label")) or _optional_str(r["label"]), _confidence(r)) for g, r in scored]
-    rated = [(p, g == choice) for g, choice, p in chosen if p is not None]
-    routed = [_optional_str(r["label"]) for _, r in scored
-              if _optional_str(r.get("model_label")) not in (None, _optional_str(r["label"]))]
+    scored = []  # (gold, the answer, the model's own choice, that choice's probability)
+    for g, r in matched:
+        if (answer := _optional_str(r.get("label"))) is not None:
+            choice = _optional_str(r.get("model_label")) or answer
+            scored.append((g, answer, choice, _probability(r.get(f"p_{choice}"))))
+    columns = record_columns(predictions)
+    metrics = Metrics.from_pairs([g for g, *_ in scored], [answer for _, answer, *_ in scored], task_labels(columns))
+    rated = [(p, g == choice) for g, _, choice, p in scored if p is not None]
+    routed = [answer for _, answer, choice, _ in scored if answer != choice]
     return Evaluation(metrics, len(predicted), len(matched) - len(scored), len(golds) - len(matched),
                       sum(k not in golds for k in predicted),
                       tuple(floor_points([p for p, _ in rated], [ok for _, ok in rated])),
-                      "model_label" in record_columns(predictions), routed[0] if routed else None, len(routed))
+                      "model_label" in columns, routed[0] if routed else None, len(routed))

@@ -6,6 +6,7 @@ in fp32 and about 1.2x faster in bf16. Weights are reordered once into oneDNN's 
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import mmap
 import sys
@@ -171,8 +172,13 @@ def warm_up_vector_math() -> None:
     rotary cos/sin, so in those processes the cached prompt prefix (the first pass) had keys off by up to 8e-3 in
     layer 0, and the same ticket got other log-probs than in every other process (int8: -1.369 or -1.567 against
     -1.289, 1 process in 4-10). One call per function in the process is enough (later threads read correct
-    values); it costs about a millisecond."""
-    x = torch.linspace(0.1, 0.9, VECTOR_MATH_GRAIN * 2 * max(1, torch.get_num_threads()))
+    values); it costs about a millisecond, once per process and thread count (load_model and every Engine ask)."""
+    _warm_up_vector_math(torch.get_num_threads())
+
+
+@functools.cache
+def _warm_up_vector_math(threads: int) -> None:
+    x = torch.linspace(0.1, 0.9, VECTOR_MATH_GRAIN * 2 * max(1, threads))
     with torch.inference_mode():
         for name in VECTOR_MATH:
             getattr(torch, name)(x)

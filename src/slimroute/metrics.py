@@ -77,11 +77,15 @@ class Metrics:
     def macro_f1(self) -> float | None:
         return self.macro_f1_except(None)
 
+    def is_route(self, fallback: str | None) -> bool:
+        """Whether `fallback` is a route here, not a class: a label no item has as gold."""
+        return fallback in self.labels and not sum(self.confusion[self.labels.index(fallback)])
+
     def macro_f1_except(self, fallback: str | None) -> float | None:
-        """Macro-F1 leaving out a fallback label that no item has as gold: it is a route, not a class (its
-        rows still lower their gold labels' recall)."""
-        seen = [s.f1 for label, s in self.per_label.items()
-                if (s.support or s.predicted) and not (label == fallback and not s.support)]
+        """Macro-F1 leaving out a fallback label that is a route (is_route; its rows still lower their gold
+        labels' recall)."""
+        route = fallback if self.is_route(fallback) else None
+        seen = [s.f1 for label, s in self.per_label.items() if (s.support or s.predicted) and label != route]
         return sum(seen) / len(seen) if seen else None
 
     def without_prediction(self, label: str) -> Metrics:

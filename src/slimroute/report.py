@@ -8,9 +8,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from slimroute.metrics import LabelScores, Metrics
-
-_NO_SCORES = LabelScores(0.0, 0.0, 0.0, 0, 0)
+from slimroute.metrics import Metrics
 
 
 def pct(x) -> str:
@@ -26,13 +24,13 @@ def metrics_rows(table: Table, metrics: Metrics, fallback: str | None = None) ->
 def print_metrics(console: Console, metrics: Metrics, per_label: bool = True, fallback: str | None = None) -> None:
     """The per-label scores (when asked) and the confusion matrix. A fallback label that no item has as gold
     is an answer column only (no scores row, no gold row)."""
-    routed_only = fallback is not None and not metrics.per_label.get(fallback, _NO_SCORES).support
+    route = fallback if metrics.is_route(fallback) else None
     if per_label:
         scores = Table(title="per label")
         for column in ("label", "precision", "recall", "F1", "support"):
             scores.add_column(column, justify="left" if column == "label" else "right")
         for label, s in metrics.per_label.items():
-            if not (routed_only and label == fallback):
+            if label != route:
                 scores.add_row(label, f"{s.precision:.3f}", f"{s.recall:.3f}", f"{s.f1:.3f}", str(s.support))
         console.print(scores)
     matrix = Table(title="confusion (rows: gold, columns: predicted)")
@@ -40,7 +38,7 @@ def print_metrics(console: Console, metrics: Metrics, per_label: bool = True, fa
     for label in metrics.labels:
         matrix.add_column(label, justify="right")
     for label, row in zip(metrics.labels, metrics.confusion, strict=True):
-        if not (routed_only and label == fallback):
+        if label != route:
             matrix.add_row(label, *map(str, row))
     console.print(matrix)
 
@@ -94,21 +92,21 @@ def print_summary(console: Console, summary, classifier=None, calibration: dict 
         values = ", ".join(f"{label} {value:+.3f}" for label, value in offsets.totals().items())
         table.add_row("calibration", f"{offsets.mode} from {offsets.num_inputs} texts ({offsets.source}); "
                                      f"offsets {values}")
+    fallback = summary.fallback.label if summary.fallback is not None else None
     if summary.fallback is not None:
         share = pct(summary.num_fallback / summary.num_items) if summary.num_items else "-"
         table.add_row("fallback", f"{summary.num_fallback} rows ({share}) answered {summary.fallback.label!r}: "
                                   f"probability below {summary.fallback.min_prob:g}")
     metrics = summary.metrics()
     if metrics.num_items:
-        metrics_rows(table, metrics, summary.fallback.label if summary.fallback is not None else None)
+        metrics_rows(table, metrics, fallback)
         answered = summary.answered_metrics()
         if answered is not None:
             table.add_row("accuracy answered", f"{pct(answered.accuracy)} of {answered.num_items} (the rest: "
-                                               f"{summary.fallback.label!r})")
+                                               f"{fallback!r})")
     console.print(table)
     if metrics.num_items:
-        print_metrics(console, metrics, per_label=False,
-                      fallback=summary.fallback.label if summary.fallback is not None else None)
+        print_metrics(console, metrics, per_label=False, fallback=fallback)
     return {**summary.to_dict(), "prefix_tokens": prefix_tokens, "calibration": calibration}
 
 
