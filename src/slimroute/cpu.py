@@ -1,9 +1,11 @@
 """What this CPU can run, and which dtype `--dtype auto` picks for it.
 
 The fastest dtype whose fast path is batch-invariant here (the batched engine gives the one-at-a-time reference's
-bits): bfloat16 where the CPU has native BF16 through AVX-512 BF16 alone (oneDNN's bf16 GEMMs, eager attention;
-measured 2x fp32 on Zen 5), int8 on other x86 CPUs with AVX2 (fbgemm integer GEMMs with per-row activation scales,
-invariant by construction; see int8.py), float32 elsewhere (ARM, macOS, CPUs without AVX2) and on GPUs.
+bits): int8 on x86 CPUs with AVX2 (integer GEMMs with per-row activation scales, invariant by construction; see
+int8.py), float32 elsewhere (ARM, macOS, CPUs without AVX2) and on GPUs. bfloat16 (oneDNN's bf16 GEMMs, eager
+attention, invariant where BF16 is native through AVX-512 BF16 alone) only where such a CPU has no VNNI for int8,
+which no CPU we know of is: on an AMD EPYC with AVX-512 BF16 and VNNI (CPUID family 25 model 17, Zen 4), 2 threads,
+bf16 ran 1.9x fp32 and int8 (oneDNN on AVX512-VNNI) 1.36x bf16 (`slimroute bench --quick`, 50 tickets).
 
 CPUs with AMX (Intel Xeon since Sapphire Rapids) get int8 too: oneDNN runs bf16 there on AMX tiles, fast (measured
 18 items/s against int8's 9.0 on an Intel Xeon with AMX, 2 threads) but not batch-invariant: a row's bits follow
@@ -153,13 +155,15 @@ def choose_dtype(requested: str = "auto", cpu: CpuFeatures | None = None, device
         return DtypeChoice(requested, "requested")
     if not on_cpu:
         return DtypeChoice("float32", f"on {device}: batched within 1e-4 of the reference")
-    if cpu.native_bf16 and cpu.onednn_bf16 and not cpu.amx:
-        return DtypeChoice("bfloat16", "native BF16 (AVX-512 BF16) on this CPU")
-    if int8_kernels_available(cpu):
-        why = "VNNI" if cpu.vnni else "AVX2"
+    bf16 = cpu.native_bf16 and cpu.onednn_bf16 and not cpu.amx  # invariant and twice fp32's rate (docstring)
+    if (cpu.vnni or not bf16) and int8_kernels_available(cpu):
         if cpu.amx:
-            return DtypeChoice("int8", f"{why}; bf16 on AMX is faster but not batch-invariant")
-        return DtypeChoice("int8", f"{why} without native BF16")
+            return DtypeChoice("int8", "VNNI; bf16 on AMX is as fast but not batch-invariant")
+        if bf16:
+            return DtypeChoice("int8", "VNNI: faster than native BF16 on these CPUs")
+        return DtypeChoice("int8", f"{'VNNI' if cpu.vnni else 'AVX2'} without native BF16")
+    if bf16:
+        return DtypeChoice("bfloat16", "native BF16 (AVX-512 BF16) and no VNNI for int8 on this CPU")
     return DtypeChoice("float32", "no native BF16 and no int8 kernels (fbgemm needs x86 AVX2) here")
 
 
