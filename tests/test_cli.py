@@ -28,7 +28,7 @@ def src(tmp_path):
 
 @pytest.fixture
 def invoke(monkeypatch, model_dir):
-    monkeypatch.setattr(cli, "console", Console(stderr=True, width=1000))
+    monkeypatch.setattr(cli.ui, "console", Console(stderr=True, width=1000))
 
     def invoke(*args, model=True):
         extra = ["--model", str(model_dir), "--threads", "1"] if model else []
@@ -221,7 +221,7 @@ def test_batch_offsets_come_from_the_first_window_and_survive_resume(tmp_path, s
 
 
 def test_verify_holds_under_calibration(tmp_path, src, model_dir, monkeypatch):
-    monkeypatch.setattr(cli, "console", Console(stderr=True, width=1000))
+    monkeypatch.setattr(cli.ui, "console", Console(stderr=True, width=1000))
     for mode in ("content-free", "batch"):
         result = CliRunner().invoke(cli.app, ["verify", str(src), "--labels", LABELS, "--model", model_dir,
                                               "--threads", "1", "--calibrate", mode, "--json",
@@ -271,7 +271,7 @@ def test_bad_floor_settings_exit_2_and_write_nothing(tmp_path, src, invoke, args
 
 
 def test_verify_holds_under_a_floor(tmp_path, src, model_dir, monkeypatch):
-    monkeypatch.setattr(cli, "console", Console(stderr=True, width=1000))
+    monkeypatch.setattr(cli.ui, "console", Console(stderr=True, width=1000))
     result = CliRunner().invoke(cli.app, ["verify", str(src), "--labels", LABELS, "--model", model_dir,
                                           "--threads", "1", "--min-prob", "0.34", "--json", str(tmp_path / "v.json")])
     assert result.exit_code == 0, result.output

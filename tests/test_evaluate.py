@@ -59,7 +59,7 @@ def run_eval(*args):
 
 
 def test_eval_cli_prints_writes_json_and_plot(files, tmp_path, monkeypatch):
-    monkeypatch.setattr(cli, "console", Console(stderr=True, width=1000))
+    monkeypatch.setattr(cli.ui, "console", Console(stderr=True, width=1000))
     preds, gold = files
     result = run_eval(preds, "--gold", gold, "--json", tmp_path / "m.json", "--plot", tmp_path / "cm.png")
     assert result.exit_code == 0, result.output
@@ -77,7 +77,7 @@ def test_eval_cli_prints_writes_json_and_plot(files, tmp_path, monkeypatch):
     (["{preds}", "--gold", "{gold}", "--plot", "{tmp}/cm.jpg"], "must end in .png"),
 ])
 def test_eval_bad_input_exits_2_and_writes_nothing(files, tmp_path, monkeypatch, args, message):
-    monkeypatch.setattr(cli, "console", Console(stderr=True, width=1000))
+    monkeypatch.setattr(cli.ui, "console", Console(stderr=True, width=1000))
     preds, gold = files
     args = [a.format(preds=preds, gold=gold, tmp=tmp_path) for a in args]
     result = run_eval(*args, "--json", tmp_path / "m.json")
@@ -109,7 +109,7 @@ def test_a_file_written_with_a_floor_and_the_floors_table(files, tmp_path, monke
     assert record["fallback"] == {"label": "human", "rows": 2, "answered": 3, "answered_accuracy": 1.0}
     assert record["floors"][0]["coverage"] == 1.0
     assert record["macro_f1"] == pytest.approx(evaluation.metrics.macro_f1_except("human"))
-    monkeypatch.setattr(cli, "console", Console(stderr=True, width=1000))
+    monkeypatch.setattr(cli.ui, "console", Console(stderr=True, width=1000))
     result = run_eval(preds, "--gold", gold)
     assert result.exit_code == 0, result.output
     for text in ("routed to the fallback │ 2 ('human')", "accuracy answered │ 100.0% of 3",

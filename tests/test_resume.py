@@ -128,7 +128,7 @@ def classify_args(src, model_dir, out, *extra):
 
 @pytest.fixture
 def invoke(monkeypatch):
-    monkeypatch.setattr(cli, "console", Console(stderr=True, width=1000))
+    monkeypatch.setattr(cli.ui, "console", Console(stderr=True, width=1000))
 
     def invoke(args):
         result = CliRunner().invoke(cli.app, args)

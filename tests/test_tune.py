@@ -66,7 +66,7 @@ def other_model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture
 def run(monkeypatch, model_dir):
-    monkeypatch.setattr(cli, "console", Console(stderr=True, width=1000))
+    monkeypatch.setattr(cli.ui, "console", Console(stderr=True, width=1000))
 
     def run(command, *args, model=None):
         extra = ["--model", str(model or model_dir), "--threads", "1"]

@@ -1,0 +1,110 @@
+"""What a command's flags build: the task (and head), the engine config, the calibration, the model, the classifier."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from slimroute.cli import ui
+from slimroute.config import EngineConfig
+
+
+def build_task(labels, instructions, task_file, examples=None, shots=None, text_column="text", label_column=None):
+    from slimroute.examples import with_examples_from
+    from slimroute.task import Task
+
+    if task_file and labels:
+        ui.fail("give either --task or --labels, not both")
+    if task_file:
+        task = Task.from_file(task_file)
+    elif labels is None:
+        ui.fail("no labels: pass --labels a,b,c or --task task.yaml")
+    else:
+        task = Task.from_labels(labels, instructions)
+    return with_examples_from(task, examples, shots, text_column, label_column or "label")
+
+
+def calibration_settings(calibrate, calibration_data, text_column, label_column):
+    from slimroute.calibration import CalibrationSettings
+
+    return CalibrationSettings(calibrate, calibration_data, text_column, label_column or "label")
+
+
+def calibrated(classifier, calibration, stored: dict | None = None):
+    """calibration.calibrated behind a status line."""
+    from slimroute.calibration import calibrated as calibrate_classifier
+
+    if not calibration.on or stored is not None:
+        return calibrate_classifier(classifier, calibration, stored)
+    with ui.console.status(f"calibrating ({calibration.mode})"):
+        return calibrate_classifier(classifier, calibration, stored)
+
+
+def load_head(head_dir):
+    from slimroute.head import Head
+
+    return Head.load(head_dir) if head_dir else None
+
+
+def task_and_head(labels, instructions, task_file, head_dir, examples=None, shots=None, text_column="text",
+                  label_column=None):
+    """(task, head or None, answer labels); with a head and neither --labels nor --task, the head's own task.
+    --examples go into either prompt (a head then only fits if it was tuned with the same examples)."""
+    from slimroute.examples import with_examples_from
+
+    head = load_head(head_dir)
+    if head is not None and labels is None and task_file is None:
+        the_task = head.task if instructions is None else replace(head.task, instructions=instructions)
+        the_task = with_examples_from(the_task, examples, shots, text_column, label_column or "label")
+    else:
+        the_task = build_task(labels, instructions, task_file, examples, shots, text_column, label_column)
+    return the_task, head, list(head.labels if head else the_task.labels)
+
+
+def engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort, decision, max_padding=0.0,
+                  recheck_margin=None, dtype="float32", min_prob=None, fallback_label=None) -> EngineConfig:
+    return EngineConfig(
+        batch_size=batch_size, max_batch_tokens=max_batch_tokens or None, prefix_cache=not no_prefix_cache,
+        sort=not no_sort, decision=decision, max_padding=max_padding or None, recheck_margin=recheck_margin or None,
+        min_prob=min_prob, fallback_label=fallback_label,
+    )
+
+
+def check_fallback(config: EngineConfig, answers) -> None:
+    """A fallback label that is one of the answers: ValueError, before the model loads."""
+    if config.fallback is not None:
+        config.fallback.check(answers)
+
+
+def resolve_dtype(dtype: str, device: str):
+    """--dtype -> cpu.DtypeChoice; a dtype this CPU cannot run raises UnsupportedDtypeError (exit 2)."""
+    from slimroute.cpu import choose_dtype
+
+    return choose_dtype(dtype, device=device)
+
+
+def load(model, dtype, threads, device):
+    from slimroute.models import load_model
+
+    choice = resolve_dtype(dtype, device)
+    with ui.console.status(f"loading {model} ({choice})"):
+        loaded = load_model(model, choice.name, threads, device)
+    loaded.precision_reason = choice.reason
+    return loaded
+
+
+def read_input(path, text_column, id_column, label_column, limit):
+    from slimroute.data import read_rows
+
+    rows = read_rows(path, text_column, id_column, label_column)
+    return rows[:limit] if limit else rows
+
+
+def make_classifier(loaded, task, config: EngineConfig, reference: bool = False, head=None):
+    if reference:
+        from slimroute.reference import ReferenceClassifier
+
+        return ReferenceClassifier(loaded.model, loaded.tokenizer, task, config.decision, loaded.max_positions,
+                                   head, fallback=config.fallback)
+    from slimroute.engine import Engine
+
+    return Engine.from_loaded(loaded, task, config, head)

@@ -1,0 +1,204 @@
+"""`slimroute classify`: a file of rows in, one prediction per row out, committed window by window (local engine, a
+server, or Ray)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import time
+from itertools import islice
+from pathlib import Path
+
+import typer
+
+from slimroute.cli import options as opt
+from slimroute.cli import ui
+from slimroute.cli.build import (
+    build_task,
+    calibrated,
+    calibration_settings,
+    check_fallback,
+    engine_config,
+    load,
+    make_classifier,
+    resolve_dtype,
+    task_and_head,
+)
+from slimroute.models import ModelNotFoundError
+from slimroute.report import print_summary
+
+
+def classify(
+    input: Path = typer.Argument(..., help="CSV, JSONL or Parquet file."),
+    out: Path = typer.Option(..., "--out", "-o", help="predictions.jsonl / .csv / .parquet"),
+    labels: str = opt.LABELS, instructions: str = opt.INSTRUCTIONS, task: Path = opt.TASK,
+    model: str = opt.MODEL, dtype: str = opt.DTYPE, threads: int = opt.THREADS, device: str = opt.DEVICE,
+    text_column: str = opt.TEXT_COL, id_column: str = opt.ID_COL, label_column: str = opt.LABEL_COL,
+    batch_size: int = opt.BATCH, max_batch_tokens: int = opt.MAX_TOKENS, no_prefix_cache: bool = opt.NO_PREFIX,
+    no_sort: bool = opt.NO_SORT, decision: str = opt.DECISION, limit: int = opt.LIMIT,
+    max_padding: float = opt.MAX_PADDING, recheck_margin: float = opt.RECHECK, head: Path = opt.HEAD,
+    examples: Path = opt.EXAMPLES, shots: int = opt.SHOTS, calibrate: str = opt.CALIBRATE,
+    calibration_data: Path = opt.CALIBRATION_DATA, min_prob: float = opt.MIN_PROB, fallback_label: str = opt.FALLBACK,
+    reference: bool = typer.Option(False, "--reference", help="Use the slow one-at-a-time reference path."),
+    summary_json: Path = typer.Option(None, "--summary-json", help="Also write the summary as JSON."),
+    window: int = typer.Option(2048, "--window", help="Rows read, classified and committed together."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted job after its last window."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output."),
+    errors: Path = typer.Option(None, "--errors", help="Write failed rows to this .jsonl, not to --out."),
+    server: str = typer.Option(None, "--server", help="Send the rows to a running `slimroute serve` at this URL."),
+    server_task: str = typer.Option(None, "--server-task", help="Named task on the server (default task if unset)."),
+    api_key: str = typer.Option(None, "--api-key", help="The server's API key (default: $SLIMROUTE_API_KEY)."),
+    backend: str = typer.Option("local", "--backend", help="local, or ray (Ray Data; see docs/ray.md)."),
+    ray_address: str = typer.Option(None, "--ray-address", help="auto or ray://host:10001 (default: start locally)."),
+    replicas: int = typer.Option(1, "--replicas", help="Ray backend: model replicas (actors)."),
+    threads_per_replica: int = typer.Option(None, "--threads-per-replica", help="Ray backend: torch threads each."),
+):
+    """Classify every row of INPUT, streaming, and write one prediction per row, in input order.
+
+    Output is committed window by window; an interrupted job continues with --resume (docs/jobs.md)."""
+    from slimroute.data import count_rows, iter_rows
+    from slimroute.jobs import JobConfig, JobSummary, job_settings
+    from slimroute.models import physical_cores
+    from slimroute.output import DurableOutput, input_fingerprint
+
+    if backend not in ("local", "ray"):
+        ui.fail(f"--backend must be local or ray, got {backend!r}")
+    if head and (server or backend != "local"):
+        ui.fail("--head runs on the local engine; leave out --server and --backend ray")
+    if calibrate != "none" and (backend == "ray" or server):
+        ui.fail("--calibrate runs with the local engine only: with --server it is the server's setting "
+             "(slimroute serve --calibrate); the Ray backend does not calibrate yet")
+    if examples is not None and server:
+        ui.fail("with --server the prompt is the server's; start it with slimroute serve --examples")
+    if (min_prob is not None or fallback_label is not None) and server:
+        ui.fail("with --server the fallback floor is the server's setting: slimroute serve --min-prob")
+    if backend == "ray":
+        try:
+            ray_config = engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort, decision, max_padding,
+                                       recheck_margin, dtype, min_prob, fallback_label)
+        except ValueError as exc:
+            ui.fail(str(exc))
+        return classify_on_ray(input, out, labels, instructions, task, model, dtype, text_column, id_column,
+                               label_column, ray_config, replicas, threads_per_replica, ray_address, examples, shots)
+    try:
+        remote = None
+        if server:
+            from slimroute.client import RemoteClassifier
+            from slimroute.task import Task
+
+            remote = RemoteClassifier(server, server_task, api_key=api_key)
+            served = Task(remote.labels())  # checks the address, the key and the task before anything is written
+            the_task = build_task(labels, instructions, task) if (labels or task) else served
+            the_head, answers = None, list(the_task.labels)
+        else:
+            the_task, the_head, answers = task_and_head(labels, instructions, task, head, examples, shots,
+                                                        text_column, label_column)
+        calibration = calibration_settings(calibrate, calibration_data, text_column, label_column)
+        calibration.check_data(answers, the_head)  # before the model loads
+        config = engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort, decision, max_padding,
+                               recheck_margin, dtype, min_prob, fallback_label)
+        check_fallback(config, answers)
+        job = JobConfig(window, limit, resume, overwrite, errors)
+        rows = iter_rows(input, text_column, id_column, label_column)
+        choice = None if server else resolve_dtype(dtype, device)
+        settings = job_settings(
+            task=the_task, config=config, model=model, dtype=choice.name if choice else dtype, device=device,
+            threads=threads or physical_cores(), reference=reference, window=job.window,
+            columns=(text_column, id_column, label_column), limit=job.limit, errors=job.errors,
+            server=server, server_task=server_task, head=the_head.digest if the_head else None,
+            calibration=calibration.fingerprint(),
+        )
+        output = DurableOutput.prepare(out, answers, input_fingerprint(input), settings,
+                                       resume=job.resume, overwrite=job.overwrite, errors=job.errors,
+                                       raw_columns=calibration.on,
+                                       routed_column=bool(config.fallback or remote and remote.fallback()))
+        classifier = remote or make_classifier(load(model, dtype, threads, device), the_task, config, reference,
+                                               the_head)
+        classifier, offsets = calibrated(classifier, calibration, output.record.calibration)
+        output.record.calibration = offsets.to_dict() if offsets is not None else None
+    except (ValueError, ModelNotFoundError) as exc:
+        ui.fail(str(exc))
+    except KeyboardInterrupt:
+        ui.console.print("interrupted before the first row; nothing was written")
+        raise typer.Exit(130) from None
+    if job.limit:
+        rows = islice(rows, job.limit)
+    total = count_rows(input)
+    if total is not None and job.limit:
+        total = min(total, job.limit)
+    summary = JobSummary.from_state(answers, output.record.summary, remote.fallback() if remote else config.fallback)
+    summary.dtype = str(choice) if choice else None
+    if output.resuming:
+        ui.console.print(f"resuming: {output.record.rows_done} rows ({output.record.windows_done} windows) "
+                      f"are already committed to {out}")
+    elif job.resume:
+        ui.console.print(f"nothing to resume for {out}; starting from the first row")
+    summary.seconds = run_job_with_progress(classifier, rows, output, summary, job.window, total,
+                                            calibration.mode == "batch")
+    stats = getattr(classifier, "stats", None)
+    if stats is not None:
+        summary.padding_overhead = stats.padding.overhead
+    if summary.num_truncated:
+        ui.console.print(f"[yellow]warning:[/] {summary.num_truncated} text(s) were longer than the context "
+                      "and were truncated (their first tokens were kept)")
+    record = print_summary(ui.console, summary, classifier, output.record.calibration)
+    if summary_json:
+        summary_json.write_text(json.dumps(record, indent=2))
+    if job.errors:
+        ui.console.print(f"wrote {summary.num_items - summary.num_errors} predictions to {out} "
+                      f"and {summary.num_errors} failed rows to {job.errors}")
+    else:
+        ui.console.print(f"wrote {summary.num_items} predictions to {out}")
+
+
+def classify_on_ray(input, out, labels, instructions, task, model, dtype, text_column, id_column, label_column,
+                    config, replicas, threads_per_replica, ray_address, examples=None, shots=None):
+    try:
+        from slimroute.backends.ray import run_ray_job
+    except ImportError as exc:
+        ui.fail(f"the Ray backend needs Ray: pip install 'slimroute[ray]' ({exc})")
+    try:
+        the_task = build_task(labels, instructions, task, examples, shots, text_column, label_column)
+        summary = run_ray_job(input, out, the_task, model, config, replicas,
+                              threads_per_replica, ray_address, text_column, id_column, label_column, dtype)
+    except (ValueError, ModelNotFoundError) as exc:
+        ui.fail(str(exc))
+    ui.console.print_json(json.dumps(summary))
+
+
+def run_job_with_progress(classifier, rows, output, summary, window: int, total: int | None,
+                          batch_calibration: bool = False) -> float:
+    """jobs.run_job behind a progress bar; seconds taken. Ctrl-C, a failed write or an input that turns
+    out to be malformed part-way end the command, saying what is committed and what to do."""
+    from slimroute.data import InputError
+    from slimroute.jobs import run_job
+
+    start = time.perf_counter()
+    try:
+        with output, ui.progress_bar() as bar:
+            task_id = bar.add_task("classify", total=total, completed=output.record.rows_done, rate="-")
+
+            def advance(n):
+                done = bar.tasks[0].completed + n - summary.num_resumed  # in this run
+                bar.update(task_id, advance=n, rate=f"{done / (time.perf_counter() - start):.1f}")
+
+            run_job(classifier, rows, output, summary, window, advance, batch_calibration)
+    except (KeyboardInterrupt, OSError, ValueError) as exc:  # ValueError: InputError, pyarrow's errors
+        record = output.record
+        windows = f"{record.windows_done} whole window{'' if record.windows_done == 1 else 's'}"
+        committed = (f"{record.rows_done} rows ({windows}) are committed to {output.out}; "
+                     "the window in progress was dropped")
+        if isinstance(exc, KeyboardInterrupt):
+            ui.console.print(f"[yellow]interrupted:[/] {committed}.\nresume with: {resume_command()}")
+            raise typer.Exit(130) from None
+        if isinstance(exc, InputError):
+            ui.fail(f"{exc}\n{committed}; after fixing the input, start over with --overwrite")
+        ui.fail(f"{exc}\n{committed}; once the cause is fixed, resume with: {resume_command()}", 1)
+    return time.perf_counter() - start
+
+
+def resume_command() -> str:
+    """The command line of this run, with --resume."""
+    args = [arg for arg in sys.argv[1:] if arg != "--overwrite"]
+    return shlex.join(["slimroute", *args, *([] if "--resume" in args else ["--resume"])])

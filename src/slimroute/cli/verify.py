@@ -1,0 +1,83 @@
+"""`slimroute verify`: the reference and the fast path on the same rows; exit 1 on any disagreement."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import typer
+
+from slimroute.cli import options as opt
+from slimroute.cli import ui
+from slimroute.cli.build import (
+    calibrated,
+    calibration_settings,
+    check_fallback,
+    engine_config,
+    load,
+    make_classifier,
+    read_input,
+    task_and_head,
+)
+from slimroute.models import ModelNotFoundError
+
+
+def verify(
+    input: Path = typer.Argument(...),
+    labels: str = opt.LABELS, instructions: str = opt.INSTRUCTIONS, task: Path = opt.TASK,
+    model: str = opt.MODEL, dtype: str = opt.DTYPE, threads: int = opt.THREADS, device: str = opt.DEVICE,
+    text_column: str = opt.TEXT_COL, id_column: str = opt.ID_COL, label_column: str = opt.LABEL_COL,
+    batch_size: int = opt.BATCH, max_batch_tokens: int = opt.MAX_TOKENS, no_prefix_cache: bool = opt.NO_PREFIX,
+    no_sort: bool = opt.NO_SORT, decision: str = opt.DECISION, limit: int = opt.LIMIT,
+    max_padding: float = opt.MAX_PADDING, recheck_margin: float = opt.RECHECK, head: Path = opt.HEAD,
+    examples: Path = opt.EXAMPLES, shots: int = opt.SHOTS, calibrate: str = opt.CALIBRATE,
+    calibration_data: Path = opt.CALIBRATION_DATA, min_prob: float = opt.MIN_PROB, fallback_label: str = opt.FALLBACK,
+    json_out: Path = typer.Option(None, "--json", help="Write the agreement record here."),
+):
+    """Run the reference and the fast path on the same items; exit 1 on any disagreement.
+
+    With --head both apply the head, to the hidden state each computes; its log-probs are compared.
+    Calibration offsets are estimated once (by the fast path; batch: over all the rows verified) and
+    applied to both paths."""
+    from slimroute.calibration import estimate_offsets
+    from slimroute.verify import compare
+
+    try:
+        the_task, the_head, answers = task_and_head(labels, instructions, task, head, examples, shots, text_column,
+                                                    label_column)
+        calibration = calibration_settings(calibrate, calibration_data, text_column, label_column)
+        calibration.check_data(answers, the_head)
+        config = engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort, decision, max_padding,
+                               recheck_margin, dtype, min_prob, fallback_label)
+        check_fallback(config, answers)
+        rows = read_input(input, text_column, id_column, label_column, limit)
+        loaded = load(model, dtype, threads, device)
+        fast, offsets = calibrated(make_classifier(loaded, the_task, config, head=the_head), calibration)
+        ref = make_classifier(loaded, the_task, config, reference=True, head=the_head).with_calibration(offsets)
+    except (ValueError, ModelNotFoundError) as exc:
+        ui.fail(str(exc))
+    ref_preds, ref_s = ui.run_with_progress(ref, rows, "reference")
+    fast_preds, fast_s = ui.run_with_progress(fast, rows, "fast path")
+    if calibration.mode == "batch" and offsets is None:
+        offsets = estimate_offsets("batch", fast_preds, fast.labels, f"the {len(rows)} rows verified")
+        texts = [row.text for row in rows]
+        fast_preds = fast.with_calibration(offsets).redecide(texts, fast_preds)
+        ref_preds = ref.with_calibration(offsets).redecide(texts, ref_preds)
+    result = compare([r.id for r in rows], ref_preds, fast_preds)
+    record = {**result.to_dict(), "reference_s": ref_s, "fast_s": fast_s, "dtype": loaded.precision,
+              "dtype_reason": loaded.precision_reason, "model": model, "padding_overhead": fast.stats.padding.overhead,
+              "head": str(head) if head else None, "prefix_tokens": len(fast.prompt.prefix_ids),
+              "calibration": offsets.to_dict() if offsets is not None else None,
+              "fallback": asdict(config.fallback) if config.fallback is not None else None}
+    ui.console.print(
+        f"dtype {loaded.precision} ({loaded.precision_reason}): "
+        f"label agreement {100 * result.agreement:.2f}% ({result.num_agree}/{result.num_items}), "
+        f"max |Δ log-prob| {result.max_abs_logprob_diff:.2e}; reference {ref_s:.1f}s, fast {fast_s:.1f}s "
+        f"({ref_s / max(fast_s, 1e-9):.1f}x)"
+    )
+    if result.disagreeing_ids:
+        ui.console.print(f"[red]disagreeing ids:[/] {', '.join(result.disagreeing_ids[:50])}")
+    if json_out:
+        json_out.write_text(json.dumps(record, indent=2))
+    raise typer.Exit(0 if result.ok else 1)
