@@ -5,13 +5,15 @@ bits): int8 on x86 CPUs with AVX2 (integer GEMMs with per-row activation scales,
 int8.py), float32 elsewhere (ARM, macOS, CPUs without AVX2) and on GPUs. bfloat16 (oneDNN's bf16 GEMMs, eager
 attention, invariant where BF16 is native through AVX-512 BF16 alone) only where such a CPU has no VNNI for int8,
 which no CPU we know of is: on an AMD EPYC with AVX-512 BF16 and VNNI (CPUID family 25 model 17, Zen 4), 2 threads,
-bf16 ran 1.9x fp32 and int8 (oneDNN on AVX512-VNNI) 1.36x bf16 (`slimroute bench --quick`, 50 tickets).
+bf16 ran 1.9x fp32 and int8 (oneDNN on AVX512-VNNI) 1.33x bf16 (`slimroute bench`, 600 tickets: 10.34 against
+7.78 items/s; int8 through fbgemm, where oneDNN's probe fails, 1.29x).
 
-CPUs with AMX (Intel Xeon since Sapphire Rapids) get int8 too: oneDNN runs bf16 there on AMX tiles, fast (measured
-18 items/s against int8's 9.0 on an Intel Xeon with AMX, 2 threads) but not batch-invariant: a row's bits follow
-the GEMM's shape (bf16 fast path vs reference on 60 sample tickets: max |Δ log-prob| 0.21, 3 labels flipped). Capping
-oneDNN below AMX (ONEDNN_MAX_CPU_ISA) restores invariance and costs the speed (4.1 items/s, below fp32's 5.7).
-`--dtype bfloat16` still runs there, for whoever prefers speed to bitwise answers (`verify` shows the differences).
+CPUs with AMX (Intel Xeon since Sapphire Rapids) get int8 too: oneDNN runs bf16 there on AMX tiles, about as fast as
+int8 (`slimroute bench`, 600 tickets, Intel Xeon with AMX, 2 threads: bf16 17.4, int8 17.7 items/s) but not
+batch-invariant: a row's bits follow the GEMM's shape (bf16 fast path vs reference on 60 sample tickets: max |Δ
+log-prob| 0.21, 3 labels flipped). Capping oneDNN below AMX (ONEDNN_MAX_CPU_ISA) restores invariance and costs
+the speed (4.1 items/s, below fp32's 5.7). `--dtype bfloat16` still runs there, for whoever prefers speed to
+bitwise answers (`verify` shows the differences).
 
 The CPU's flags come from /proc/cpuinfo (or, elsewhere, torch's reported capability). SLIMROUTE_CPU_FLAGS
 (space-separated flags) replaces them, to see what another CPU would get: tests simulate both CPU kinds with it.

@@ -10,6 +10,7 @@ def fail(message: str, code: int = 2):
     console.print(f"[bold red]error:[/] {message}", soft_wrap=True)  # one line, whatever the terminal's width
     raise typer.Exit(code)
 
+
 def progress_bar():
     from slimroute.report import progress_bar as bar
 
