@@ -73,14 +73,14 @@ def classify(
         ui.fail("with --server the prompt is the server's; start it with slimroute serve --examples")
     if (min_prob is not None or fallback_label is not None) and server:
         ui.fail("with --server the fallback floor is the server's setting: slimroute serve --min-prob")
+    try:
+        config = engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort, decision, max_padding,
+                               recheck_margin, min_prob, fallback_label)
+    except ValueError as exc:
+        ui.fail(str(exc))
     if backend == "ray":
-        try:
-            ray_config = engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort, decision, max_padding,
-                                       recheck_margin, dtype, min_prob, fallback_label)
-        except ValueError as exc:
-            ui.fail(str(exc))
         return classify_on_ray(input, out, labels, instructions, task, model, dtype, text_column, id_column,
-                               label_column, ray_config, replicas, threads_per_replica, ray_address, examples, shots)
+                               label_column, config, replicas, threads_per_replica, ray_address, examples, shots)
     try:
         remote = None
         if server:
@@ -96,8 +96,6 @@ def classify(
                                                         text_column, label_column)
         calibration = calibration_settings(calibrate, calibration_data, text_column, label_column)
         calibration.check_data(answers, the_head)  # before the model loads
-        config = engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort, decision, max_padding,
-                               recheck_margin, dtype, min_prob, fallback_label)
         check_fallback(config, answers)
         job = JobConfig(window, limit, resume, overwrite, errors)
         rows = iter_rows(input, text_column, id_column, label_column)

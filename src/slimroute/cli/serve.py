@@ -60,7 +60,7 @@ def serve(
         task_set = with_accuracy_options(task_set, examples, shots, text_column, label_column or "label", calibration,
                                          the_head)
         config = engine_config(batch_size, max_batch_tokens, False, False, decision, max_padding, recheck_margin,
-                               dtype, min_prob, fallback_label)
+                               min_prob, fallback_label)
         for served in task_set.tasks.values():
             check_fallback(config, the_head.labels if the_head else served.labels)
         choice = resolve_dtype(dtype, device)

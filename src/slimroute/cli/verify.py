@@ -49,7 +49,7 @@ def verify(
         calibration = calibration_settings(calibrate, calibration_data, text_column, label_column)
         calibration.check_data(answers, the_head)
         config = engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort, decision, max_padding,
-                               recheck_margin, dtype, min_prob, fallback_label)
+                               recheck_margin, min_prob, fallback_label)
         check_fallback(config, answers)
         rows = read_input(input, text_column, id_column, label_column, limit)
         loaded = load(model, dtype, threads, device)
