@@ -119,6 +119,46 @@ def test_classify_with_a_floored_server_writes_its_routes_and_the_models_choices
     assert "fallback" in result.output and "3 rows" in result.output
 
 
+def test_a_server_job_resumes_only_against_a_server_that_answers_as_before(tiny, tmp_path, monkeypatch):
+    """A --server job records what decides the served answers (model, dtype, prompt, calibration, fallback floor):
+    resumed against the same address restarted with a floor, it refuses and names the change; against the server as
+    it was, it finishes with the bytes of an uninterrupted run."""
+    from slimroute.config import EngineConfig
+    from slimroute.output import DurableOutput
+
+    src, out, whole = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "whole.jsonl"
+    src.write_text("".join(json.dumps({"id": f"r{i}", "text": t}) + "\n" for i, t in enumerate(TEXTS[:8])))
+    port = free_port()
+
+    def args(path, *more):
+        return ["classify", str(src), "--out", str(path), "--server", f"http://127.0.0.1:{port}", "--window", "2",
+                *more]
+
+    commit, calls = DurableOutput.commit, []
+
+    def interrupted(self, *more):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        commit(self, *more)
+
+    with live_server(create_app({"default": make_engine(tiny)}), port=port):
+        with monkeypatch.context() as patch:
+            patch.setattr(DurableOutput, "commit", interrupted)
+            assert CliRunner().invoke(cli.app, args(out)).exit_code == 130
+    assert len(out.read_text().splitlines()) == 2
+    floored = Engine(*tiny, Task.from_labels(LABELS, name="default"), EngineConfig(min_prob=0.9))
+    with live_server(create_app({"default": floored}), port=port):
+        result = CliRunner().invoke(cli.app, args(out, "--resume"))
+    assert result.exit_code == 2 and "settings differ" in result.output and "served:" in result.output
+    assert "'fallback': {'min_prob': 0.9" in " ".join(result.output.split())
+    with live_server(create_app({"default": make_engine(tiny)}), port=port):
+        result = CliRunner().invoke(cli.app, args(out, "--resume"))
+        assert result.exit_code == 0, result.output
+        assert CliRunner().invoke(cli.app, args(whole)).exit_code == 0
+    assert out.read_bytes() == whole.read_bytes() and len(whole.read_text().splitlines()) == 8
+
+
 def test_unreachable_server_is_a_usage_error():
     clf = RemoteClassifier(f"http://127.0.0.1:{free_port()}", timeout=2)
     with pytest.raises(ServerUnreachable, match="no slimroute server answers"):

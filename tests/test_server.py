@@ -76,9 +76,11 @@ class Probe:
 
 
 @contextlib.contextmanager
-def live_server(app, **config):
+def live_server(app, port: int = 0, **config):
+    """Serve app on 127.0.0.1 (port: a fixed one, e.g. to restart a server at the same address) while inside."""
     sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart may rebind while the old one lingers
+    sock.bind(("127.0.0.1", port))
     server = uvicorn.Server(uvicorn.Config(app, **{"log_level": "warning", "lifespan": "on", **config}))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

@@ -130,6 +130,14 @@ class RemoteClassifier:
         floor = self.task_info().get("fallback")
         return Fallback(floor["min_prob"], floor["label"]) if floor else None
 
+    def answer_settings(self) -> dict:
+        """What decides the served task's answers: the server's model and dtype, and the task's prompt, calibration
+        and fallback floor. A job records it (jobs.job_settings), so it resumes only against a server that answers
+        as the one it began with (not one restarted with another floor, model or calibration)."""
+        info, task = self.info(), self.task_info()
+        keys = ("labels", "instructions", "descriptions", "num_examples", "prefix_tokens", "calibration", "fallback")
+        return {"model": info.get("model"), "dtype": info.get("dtype"), **{key: task.get(key) for key in keys}}
+
     def labels(self) -> tuple[str, ...]:
         """The task's labels, in the server's order."""
         return tuple(self.task_info()["labels"])

@@ -75,10 +75,11 @@ def run_job(classifier, rows: Iterable[Row], output, summary: JobSummary, window
 def job_settings(*, task, config, model: str, dtype: str, device: str, threads: int, reference: bool,
                  window: int, columns: tuple, limit: int | None, errors: Path | None,
                  server: str | None = None, server_task: str | None = None, head: str | None = None,
-                 calibration: dict | None = None) -> dict:
+                 calibration: dict | None = None, served: dict | None = None) -> dict:
     """Everything that can change the output's bytes; a job resumes only when these are unchanged
-    (with --server the answers come from that server and task, so they count too; with --head, its digest;
-    calibration: the mode and what its offsets come from, e.g. the calibration data's fingerprint)."""
+    (with --server the answers come from that server and task, so they count too, and served: what the server
+    says decides them, RemoteClassifier.answer_settings; with --head, its digest; calibration: the mode and what its
+    offsets come from, e.g. the calibration data's fingerprint)."""
     import torch
     import transformers
 
@@ -96,6 +97,7 @@ def job_settings(*, task, config, model: str, dtype: str, device: str, threads: 
         **({"calibration": calibration} if calibration else {}),  # absent when off: older records still resume
         "torch": torch.__version__, "transformers": transformers.__version__,
         **({"head": head} if head else {}),
+        **({"served": served} if server and served else {}),
     }
 
 

@@ -105,7 +105,7 @@ def classify(
             threads=threads or physical_cores(), reference=reference, window=job.window,
             columns=(text_column, id_column, label_column), limit=job.limit, errors=job.errors,
             server=server, server_task=server_task, head=the_head.digest if the_head else None,
-            calibration=calibration.fingerprint(),
+            calibration=calibration.fingerprint(), served=remote.answer_settings() if remote else None,
         )
         output = DurableOutput.prepare(out, answers, input_fingerprint(input), settings,
                                        resume=job.resume, overwrite=job.overwrite, errors=job.errors,
