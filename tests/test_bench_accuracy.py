@@ -31,7 +31,13 @@ def test_every_row_agrees_with_the_reference(model_dir):
     for row in record["rows"]:
         assert row["agreement"] == 1.0 and row["max_dlogprob"] <= 1e-4, row
         assert 0 <= row["accuracy"] <= 1 and row["items_per_s"] > 0
+        assert [point["target"] for point in row["floors"]] == [0.9, 0.8]
+        for point in row["floors"]:  # a floor answering at least that share of the 9 tickets, and no more than all
+            assert point["target"] * 9 <= point["answered"] <= 9 and 0 <= point["accuracy"] <= 1
     assert names[16:] == ["head from the descriptions (no labelled rows)", "head tuned on 12 labelled tickets"]
     few_shot = next(r for r in record["rows"] if r["name"].startswith("few-shot"))
     assert few_shot["prefix_tokens"] > record["rows"][0]["prefix_tokens"]
-    assert "| zero-shot + fitted calibration |" in markdown(record, "slimroute bench --accuracy")
+    table = markdown(record, "slimroute bench --accuracy")
+    assert "| zero-shot + fitted calibration |" in table and "| 90% answered | 80% answered |" in table
+    first = record["rows"][0]["floors"][0]
+    assert f"| {100 * first['accuracy']:.1f}% (≥ {first['min_prob']:.3f}) |" in table

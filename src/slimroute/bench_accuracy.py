@@ -21,7 +21,7 @@ import json
 import tempfile
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from slimroute.calibration import content_free_offsets, estimate_offsets, fit_offsets
@@ -30,7 +30,7 @@ from slimroute.data import read_labelled, write_records
 from slimroute.engine import Engine
 from slimroute.examples import read_examples
 from slimroute.labels import redecide
-from slimroute.metrics import Metrics
+from slimroute.metrics import Metrics, floor_points
 from slimroute.models import load_model
 from slimroute.reference import ReferenceClassifier
 from slimroute.synth import CLASSES, synthetic_tickets
@@ -49,6 +49,7 @@ DESCRIPTIONS = {
                'account")',
 }
 MODES = ("content-free", "batch", "fitted")
+FLOOR_COVERAGES = (0.9, 0.8)  # each row's floors (metrics.floor_points): route the least sure 10% / 20% to a person
 
 
 @dataclass
@@ -61,6 +62,7 @@ class AccuracyRow:
     agreement: float  # fast == reference on the first `check` tickets, with the row's offsets
     max_dlogprob: float
     setup_s: float = 0.0  # one-off: estimating or fitting the offsets
+    floors: list = field(default_factory=list)  # FLOOR_COVERAGES: a --min-prob that answers that share, its accuracy
 
 
 def labelled_tickets(n: int, exclude: set[str], seed: int = 1) -> list[dict]:
@@ -73,8 +75,10 @@ def labelled_tickets(n: int, exclude: set[str], seed: int = 1) -> list[dict]:
 def score_row(name, preds, refs, golds, labels, seconds, prefix_tokens, setup_s=0.0) -> AccuracyRow:
     cmp = compare([str(i) for i in range(len(refs))], refs, preds[: len(refs)])
     metrics = Metrics.from_pairs(golds, [p.label for p in preds], labels)
+    confidences, correct = [p.probs[p.label] for p in preds], [p.label == g for p, g in zip(preds, golds, strict=True)]
+    floors = [{"target": c, **floor_points(confidences, correct, (c,))[0].to_dict()} for c in FLOOR_COVERAGES]
     return AccuracyRow(name, metrics.accuracy, metrics.macro_f1, len(preds) / seconds, prefix_tokens, cmp.agreement,
-                       cmp.max_abs_logprob_diff, setup_s)
+                       cmp.max_abs_logprob_diff, setup_s, floors)
 
 
 def run_accuracy_bench(n=600, model="qwen2.5-coder-0.5b", dtype="auto", threads=None, batch_size=32,
@@ -102,7 +106,8 @@ def run_accuracy_bench(n=600, model="qwen2.5-coder-0.5b", dtype="auto", threads=
     def add(row: AccuracyRow):
         rows.append(row)
         log(f"{row.name:60s} acc {100 * row.accuracy:5.1f}%  macro-F1 {row.macro_f1:.3f}  "
-            f"{row.items_per_s:6.2f} items/s  agree {100 * row.agreement:.1f}%  max|Δ| {row.max_dlogprob:.1e}")
+            f"90/80% answered {_floors(asdict(row))}  {row.items_per_s:6.2f} items/s  "
+            f"agree {100 * row.agreement:.1f}%  max|Δ| {row.max_dlogprob:.1e}")
 
     for name, task in prompts.items():
         engine = Engine(loaded.model, loaded.tokenizer, task, config, loaded.max_positions)
@@ -162,15 +167,25 @@ def markdown(record: dict, command: str) -> str:
         f"`{command}` — {record['n']} tickets, {record['model']} ({record['dtype']}), {m['cpu']}, "
         f"{m['threads']} threads, torch {m['torch']}, git {m['git_sha']}, {m['date']}",
         "",
-        f"| row | accuracy | macro-F1 | items/s | prefix tokens | agreement (first {record['check']}) "
-        "| max \\|Δ log-prob\\| | setup s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        f"| row | accuracy | macro-F1 | {' | '.join(f'{100 * c:.0f}% answered' for c in FLOOR_COVERAGES)} | items/s "
+        f"| prefix tokens | agreement (first {record['check']}) | max \\|Δ log-prob\\| | setup s |",
+        "|---|---:|---:|" + "---:|" * len(FLOOR_COVERAGES) + "---:|---:|---:|---:|---:|",
     ]
     for r in record["rows"]:
-        lines.append(f"| {r['name']} | {100 * r['accuracy']:.1f}% | {r['macro_f1']:.3f} | {r['items_per_s']:.2f} | "
-                     f"{r['prefix_tokens']} | {100 * r['agreement']:.1f}% | {r['max_dlogprob']:.1e} | "
-                     f"{r['setup_s']:.1f} |")
+        lines.append(f"| {r['name']} | {100 * r['accuracy']:.1f}% | {r['macro_f1']:.3f} | {_floors(r)} | "
+                     f"{r['items_per_s']:.2f} | {r['prefix_tokens']} | {100 * r['agreement']:.1f}% | "
+                     f"{r['max_dlogprob']:.1e} | {r['setup_s']:.1f} |")
+    lines += ["", "*N% answered*: the accuracy on the rows a fallback floor still answers when it routes the least "
+              "sure rest to a person, and that floor (`--min-prob`; rounded down to 3 decimals: it may answer a few "
+              "more)."]
     return "\n".join(lines) + "\n"
+
+
+def _floors(row: dict) -> str:
+    """A row's floor cells, one per FLOOR_COVERAGES: "accuracy (≥ min-prob)", or "-" (an older record)."""
+    points = {point["target"]: point for point in row.get("floors", [])}
+    return " | ".join(f"{100 * points[c]['accuracy']:.1f}% (≥ {points[c]['min_prob']:.3f})" if c in points else "-"
+                      for c in FLOOR_COVERAGES)
 
 
 def write_outputs(record: dict, out_dir: Path, command: str) -> dict[str, Path]:
