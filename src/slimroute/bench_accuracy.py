@@ -62,7 +62,7 @@ class AccuracyRow:
     agreement: float  # fast == reference on the first `check` tickets, with the row's offsets
     max_dlogprob: float
     setup_s: float = 0.0  # one-off: estimating or fitting the offsets
-    floors: list = field(default_factory=list)  # FLOOR_COVERAGES: a --min-prob that answers that share, its accuracy
+    floors: list[dict] = field(default_factory=list)  # per FLOOR_COVERAGES: its "target" and a FloorPoint.to_dict()
 
 
 def labelled_tickets(n: int, exclude: set[str], seed: int = 1) -> list[dict]:
