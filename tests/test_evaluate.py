@@ -117,3 +117,26 @@ def test_a_file_written_with_a_floor_and_the_floors_table(files, tmp_path, monke
         assert text in result.text, text
     plain = evaluate_files(*files)
     assert plain.answered is None and plain.to_dict()["fallback"] is None and plain.floors
+
+
+def test_target_accuracy_names_the_floor(files, tmp_path, monkeypatch):
+    """eval --target-accuracy: the --min-prob that answers the most rows at that accuracy, in the output and the
+    JSON; one that no floor reaches says so; a target that is not a share exits 2."""
+    preds, gold = files
+    evaluation = evaluate_files(preds, gold, target_accuracy=0.9)  # scored: 0.8 right, 0.5 wrong, 0.8 right
+    point = evaluation.target_floor
+    assert (point.min_prob, point.answered, point.correct, point.total) == (0.8, 2, 2, 3)
+    assert evaluation.to_dict()["target"] == {"accuracy": 0.9, "floor": point.to_dict()}
+    assert "target" not in evaluate_files(preds, gold).to_dict()
+    monkeypatch.setattr(cli.ui, "console", Console(stderr=True, width=1000))
+    out = tmp_path / "m.json"
+    result = run_eval(preds, "--gold", gold, "--target-accuracy", "0.9", "--json", out)
+    assert result.exit_code == 0, result.output
+    assert "for 90.0% or better: --min-prob 0.800 answers 2 of 3 rows (66.7%), 100.0% of them right" in result.text
+    assert json.loads(out.read_text())["target"]["floor"]["min_prob"] == 0.8
+    wrong_only = tmp_path / "wrong.csv"
+    wrong_only.write_text("id,label,p_billing,p_technical,p_account\n2,billing,0.5,0.4,0.1\n")
+    result = run_eval(wrong_only, "--gold", gold, "--target-accuracy", "0.5")
+    assert result.exit_code == 0 and "no --min-prob gets the answered rows to 50.0% here" in result.text
+    result = run_eval(preds, "--gold", gold, "--target-accuracy", "90")
+    assert result.exit_code == 2 and "a share in (0, 1], e.g. 0.9 for 90%" in result.text

@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from slimroute.metrics import Metrics, floor_points, plot_confusion
+from slimroute.metrics import Metrics, floor_for_accuracy, floor_points, plot_confusion
 
 GOLD = ["a", "a", "a", "b", "b", "c", "c", "c", "c", "a"]
 PRED = ["a", "a", "b", "b", "c", "c", "c", "a", "c", "a"]
@@ -54,6 +54,21 @@ def test_rows_answered_under_a_fallback_label():
     f1 = {label: m.per_label[label].f1 for label in "abc"}
     assert m.macro_f1_except("?") == pytest.approx(sum(f1.values()) / 3)
     assert m.macro_f1 == pytest.approx(sum(f1.values()) / 4)
+
+
+def test_floor_for_accuracy_answers_the_most_rows_at_the_target():
+    conf = [0.99, 0.95, 0.9, 0.8, 0.8, 0.7, 0.6, 0.5, 0.4, 0.35]
+    right = [True, True, True, True, False, True, True, False, False, False]
+    point = floor_for_accuracy(conf, right, 1.0)  # 0.8 would take in a wrong row (4 of 5)
+    assert (point.min_prob, point.answered, point.correct, point.total) == (0.9, 3, 3, 10)
+    point = floor_for_accuracy(conf, right, 0.85)  # 0.7 keeps 5 of 6 (83%), the lower 0.6 6 of 7 (86%)
+    assert (point.min_prob, point.answered, point.correct) == (0.6, 7, 6)
+    assert floor_for_accuracy(conf, right, 0.6).answered == 10  # 6 of 10 is 60%: every row answered
+    assert floor_for_accuracy([0.9, 0.8], [False, True], 0.9) is None
+    assert floor_for_accuracy([0.66666, 0.5], [True, False], 1.0).min_prob == 0.666  # a --min-prob that keeps it
+    for bad in (0, 1.5, 90):
+        with pytest.raises(ValueError, match="a share in"):
+            floor_for_accuracy(conf, right, bad)
 
 
 def test_floor_points_hand_computed():

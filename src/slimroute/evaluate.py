@@ -7,6 +7,7 @@ Floors: each scored row's probability of the model's own choice (p_<model_label>
 whether that choice is right gives, per coverage, the --min-prob that keeps it and the accuracy of the rows it
 answers (metrics.floor_points). When the file was written with a floor (a model_label column), the rows it
 routed to the fallback label are counted, and the metrics of the rows it answered are given beside the whole.
+With a target accuracy, the floor that answers the most rows at that accuracy (metrics.floor_for_accuracy).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from slimroute.data import InputError, _optional_str, iter_records, record_columns
-from slimroute.metrics import FloorPoint, Metrics, floor_points
+from slimroute.metrics import FloorPoint, Metrics, floor_for_accuracy, floor_points
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,8 @@ class Evaluation:
     floored: bool = False  # the file was written with a floor (it has a model_label column)
     fallback_label: str | None = None  # the label the floor routed scored rows to (None if it routed none)
     num_fallback: int = 0  # scored rows routed there
+    target_accuracy: float | None = None  # eval --target-accuracy
+    target_floor: FloorPoint | None = None  # the floor answering the most rows at that accuracy (None: none does)
 
     @property
     def answered(self) -> Metrics | None:
@@ -44,7 +47,10 @@ class Evaluation:
                 "floors": [point.to_dict() for point in self.floors],
                 "fallback": None if answered is None else {
                     "label": self.fallback_label, "rows": self.num_fallback, "answered": answered.num_items,
-                    "answered_accuracy": answered.accuracy}}
+                    "answered_accuracy": answered.accuracy},
+                **({} if self.target_accuracy is None else {"target": {
+                    "accuracy": self.target_accuracy,
+                    "floor": self.target_floor.to_dict() if self.target_floor is not None else None}})}
 
 
 def _by_id(path, id_column: str, label_column: str, what: str) -> dict[str, dict]:
@@ -76,9 +82,11 @@ def task_labels(columns: list[str]) -> list[str]:
     return [c[2:] for c in columns if c.startswith("p_")]
 
 
-def evaluate_files(predictions, gold, id_column: str = "id", label_column: str = "label") -> Evaluation:
+def evaluate_files(predictions, gold, id_column: str = "id", label_column: str = "label",
+                   target_accuracy: float | None = None) -> Evaluation:
     """predictions: classify's output (columns id, label, p_<label>...); gold: any input file with ids
-    (--id-column, else the row number, as classify numbers rows) and gold labels (--label-column)."""
+    (--id-column, else the row number, as classify numbers rows) and gold labels (--label-column).
+    target_accuracy: also find the floor that answers the most rows at that accuracy (metrics.floor_for_accuracy)."""
     predicted = _by_id(predictions, "id", "label", "predictions file")
     golds = {k: v for k, r in _by_id(gold, id_column, label_column, "gold file").items()
              if (v := _optional_str(r.get(label_column))) is not None}
@@ -96,7 +104,8 @@ def evaluate_files(predictions, gold, id_column: str = "id", label_column: str =
     metrics = Metrics.from_pairs([g for g, *_ in scored], [answer for _, answer, *_ in scored], task_labels(columns))
     rated = [(p, g == choice) for g, _, choice, p in scored if p is not None]
     routed = [answer for _, answer, choice, _ in scored if answer != choice]
+    confidences, correct = [p for p, _ in rated], [ok for _, ok in rated]
+    target = None if target_accuracy is None else floor_for_accuracy(confidences, correct, target_accuracy)
     return Evaluation(metrics, len(predicted), len(matched) - len(scored), len(golds) - len(matched),
-                      sum(k not in golds for k in predicted),
-                      tuple(floor_points([p for p, _ in rated], [ok for _, ok in rated])),
-                      "model_label" in columns, routed[0] if routed else None, len(routed))
+                      sum(k not in golds for k in predicted), tuple(floor_points(confidences, correct)),
+                      "model_label" in columns, routed[0] if routed else None, len(routed), target_accuracy, target)

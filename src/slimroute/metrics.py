@@ -150,6 +150,23 @@ def floor_points(confidences: list[float], correct: list[bool], coverages=COVERA
     return points
 
 
+def floor_for_accuracy(confidences: list[float], correct: list[bool], target: float) -> FloorPoint | None:
+    """The floor (a --min-prob, 3 decimals) that answers the most items while the items it answers are right at
+    least `target` of the time, or None when no floor gets there. Every floor a probability rounds down to is
+    tried (at most 1001), since the accuracy of the items kept need not rise with the floor."""
+    if not 0 < target <= 1:
+        raise ValueError(f"a target accuracy is a share in (0, 1], e.g. 0.9 for 90%; got {target!r}")
+    ranked = sorted(zip(confidences, correct, strict=True), key=lambda pair: -pair[0])
+    best, answered, right = None, 0, 0
+    for floor in sorted({math.floor(p * 1000) / 1000 for p, _ in ranked}, reverse=True):
+        while answered < len(ranked) and ranked[answered][0] >= floor:
+            right += ranked[answered][1]
+            answered += 1
+        if right >= target * answered - 1e-9:
+            best = FloorPoint(floor, answered, right, len(ranked))
+    return best
+
+
 def check_plotting(path) -> None:
     """Raise ValueError unless a PNG can be plotted to `path` (matplotlib installed, a .png name)."""
     import importlib.util

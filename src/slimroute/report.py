@@ -132,6 +132,13 @@ def print_evaluation(console: Console, evaluation) -> None:
             floors.add_row(pct(point.coverage), f"{point.min_prob:.3f}", f"{point.answered} of {point.total}",
                            pct(point.accuracy))
         console.print(floors)
+    if evaluation.target_accuracy is not None:
+        point, wanted = evaluation.target_floor, pct(evaluation.target_accuracy)
+        if point is None:
+            console.print(f"no --min-prob gets the answered rows to {wanted} here (see the floors above)")
+        else:
+            console.print(f"for {wanted} or better: --min-prob {point.min_prob:.3f} answers {point.answered} of "
+                          f"{point.total} rows ({pct(point.coverage)}), {pct(point.accuracy)} of them right")
 
 
 def print_description_head(console: Console, head, out, scale: float) -> None:

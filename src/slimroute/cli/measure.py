@@ -21,6 +21,9 @@ def evaluate(
     label_column: str = typer.Option("label", "--label-column", help="Gold-label column of --gold."),
     plot: Path = typer.Option(None, "--plot", help="Also write a confusion-matrix PNG (needs matplotlib)."),
     json_out: Path = typer.Option(None, "--json", help="Also write the metrics as JSON."),
+    target_accuracy: float = typer.Option(None, "--target-accuracy",
+                                          help="Also name the --min-prob that answers the most rows with at least "
+                                               "this share of them right (e.g. 0.9)."),
 ):
     """Accuracy, macro-F1, per-label precision / recall / F1 / support and the confusion matrix."""
     from slimroute.evaluate import evaluate_files
@@ -30,7 +33,7 @@ def evaluate(
     try:
         if plot is not None:
             check_plotting(plot)
-        evaluation = evaluate_files(predictions, gold, id_column, label_column)
+        evaluation = evaluate_files(predictions, gold, id_column, label_column, target_accuracy)
     except ValueError as exc:
         ui.fail(str(exc))
     print_evaluation(Console(), evaluation)
