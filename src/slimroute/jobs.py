@@ -173,14 +173,20 @@ class JobSummary:
 
     def add(self, rows: Iterable[Row], preds: Iterable[Prediction]) -> None:
         for row, pred in zip(rows, preds, strict=True):
-            self.num_items += 1
-            if pred.error:
-                self.num_errors += 1
-                continue
-            self.num_truncated += int(pred.truncated)
-            self.num_fallback += int(pred.label != pred.model_label)
-            if row.gold is not None:
-                self.confusion[(row.gold, pred.label)] += 1
+            self.count(pred.error, pred.truncated, pred.label, pred.model_label, row.gold)
+
+    def count(self, error: str | None, truncated: bool, label: str | None, model_label: str | None,
+              gold: str | None) -> None:
+        """One row, from a Prediction or a written record: an error row is counted, not scored; a row the floor
+        routed (its label is not the model's: model_label None means not recorded, so not routed) is counted."""
+        self.num_items += 1
+        if error:
+            self.num_errors += 1
+            return
+        self.num_truncated += int(truncated)
+        self.num_fallback += int(model_label not in (None, label))
+        if gold is not None:
+            self.confusion[(gold, label)] += 1
 
     def _fallback_dict(self) -> dict:
         answered = self.answered_metrics()

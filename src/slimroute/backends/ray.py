@@ -304,14 +304,7 @@ def summarise(result: ray.data.MaterializedDataset, labels: list[str], start: fl
     first, last = math.inf, -math.inf
     for batch in result.iter_batches(batch_format="pyarrow", batch_size=None):
         for rec in batch.to_pylist():
-            summary.num_items += 1
-            if rec["error"]:
-                summary.num_errors += 1
-            else:
-                summary.num_truncated += int(rec["truncated"])
-                summary.num_fallback += int(rec.get("model_label") not in (None, rec["label"]))
-                if rec["_gold"] is not None:
-                    summary.confusion[(rec["_gold"], rec["label"])] += 1
+            summary.count(rec["error"], rec["truncated"], rec["label"], rec.get("model_label"), rec["_gold"])
             replica = per_replica.setdefault(
                 rec["_replica"], {"items": 0, "load_seconds": round(rec["_load_seconds"], 3), "peak_rss_mb": 0.0})
             replica["items"] += 1
