@@ -138,5 +138,9 @@ def test_target_accuracy_names_the_floor(files, tmp_path, monkeypatch):
     wrong_only.write_text("id,label,p_billing,p_technical,p_account\n2,billing,0.5,0.4,0.1\n")
     result = run_eval(wrong_only, "--gold", gold, "--target-accuracy", "0.5")
     assert result.exit_code == 0 and "no --min-prob gets the answered rows to 50.0% here" in result.text
+    unrated = tmp_path / "unrated.csv"
+    unrated.write_text("id,label\n1,billing\n2,billing\n")
+    result = run_eval(unrated, "--gold", gold, "--target-accuracy", "0.5")
+    assert result.exit_code == 0 and "no scored row has the probability of its label" in result.text
     result = run_eval(preds, "--gold", gold, "--target-accuracy", "90")
     assert result.exit_code == 2 and "a share in (0, 1], e.g. 0.9 for 90%" in result.text

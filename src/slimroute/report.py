@@ -134,7 +134,9 @@ def print_evaluation(console: Console, evaluation) -> None:
         console.print(floors)
     if evaluation.target_accuracy is not None:
         point, wanted = evaluation.target_floor, pct(evaluation.target_accuracy)
-        if point is None:
+        if not evaluation.floors:
+            console.print(f"no --min-prob for {wanted}: no scored row has the probability of its label (p_<label>)")
+        elif point is None:
             console.print(f"no --min-prob gets the answered rows to {wanted} here (see the floors above)")
         else:
             console.print(f"for {wanted} or better: --min-prob {point.min_prob:.3f} answers {point.answered} of "
