@@ -6,6 +6,7 @@ import json
 
 import pytest
 from rich.console import Console
+from test_jobs import fail_on_commit
 from typer.testing import CliRunner
 
 from slimroute import cli
@@ -110,17 +111,7 @@ def test_existing_output_needs_overwrite(tmp_path, src, invoke):
 
 def disk_full_on_commit(patch, nth: int) -> None:
     """Make the nth DurableOutput.commit of the run fail as a full disk would."""
-    from slimroute.output import DurableOutput
-
-    commit, calls = DurableOutput.commit, []
-
-    def failing(self, *args):
-        calls.append(1)
-        if len(calls) == nth:
-            raise OSError(28, "No space left on device")
-        commit(self, *args)
-
-    patch.setattr(DurableOutput, "commit", failing)
+    fail_on_commit(patch, nth, OSError(28, "No space left on device"))
 
 
 def test_a_failed_write_keeps_the_committed_windows_and_says_how_to_resume(tmp_path, src, invoke, monkeypatch):

@@ -10,6 +10,7 @@ import sys
 
 import httpx
 import pytest
+from test_jobs import fail_on_commit
 from test_server import LABELS, TEXTS, check_matches_offline, free_port, live_server, make_engine, wait_until
 from tiny import tiny_model
 from typer.testing import CliRunner
@@ -124,7 +125,6 @@ def test_a_server_job_resumes_only_against_a_server_that_answers_as_before(tiny,
     resumed against the same address restarted with a floor, it refuses and names the change; against the server as
     it was, it finishes with the bytes of an uninterrupted run."""
     from slimroute.config import EngineConfig
-    from slimroute.output import DurableOutput
 
     src, out, whole = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "whole.jsonl"
     src.write_text("".join(json.dumps({"id": f"r{i}", "text": t}) + "\n" for i, t in enumerate(TEXTS[:8])))
@@ -134,17 +134,9 @@ def test_a_server_job_resumes_only_against_a_server_that_answers_as_before(tiny,
         return ["classify", str(src), "--out", str(path), "--server", f"http://127.0.0.1:{port}", "--window", "2",
                 *more]
 
-    commit, calls = DurableOutput.commit, []
-
-    def interrupted(self, *more):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        commit(self, *more)
-
     with live_server(create_app({"default": make_engine(tiny)}), port=port):
         with monkeypatch.context() as patch:
-            patch.setattr(DurableOutput, "commit", interrupted)
+            fail_on_commit(patch, 2, KeyboardInterrupt())
             assert CliRunner().invoke(cli.app, args(out)).exit_code == 130
     assert len(out.read_text().splitlines()) == 2
     floored = Engine(*tiny, Task.from_labels(LABELS, name="default"), EngineConfig(min_prob=0.9))

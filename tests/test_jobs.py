@@ -40,6 +40,19 @@ class StubClassifier:
         return preds
 
 
+def fail_on_commit(patch, nth: int, error: BaseException) -> None:
+    """Make the nth DurableOutput.commit of the run raise error (KeyboardInterrupt: Ctrl-C; OSError: a full disk)."""
+    commit, calls = DurableOutput.commit, []
+
+    def failing(self, *args):
+        calls.append(1)
+        if len(calls) == nth:
+            raise error
+        commit(self, *args)
+
+    patch.setattr(DurableOutput, "commit", failing)
+
+
 def write_jsonl(path, records):
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path

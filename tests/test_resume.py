@@ -13,7 +13,7 @@ import time
 
 import pytest
 from rich.console import Console
-from test_jobs import LABELS, SETTINGS, StubClassifier, run, tickets, write_jsonl
+from test_jobs import LABELS, SETTINGS, StubClassifier, fail_on_commit, run, tickets, write_jsonl
 from typer.testing import CliRunner
 
 from slimroute import cli
@@ -245,16 +245,8 @@ def unfinished(tmp_path, model_dir, invoke, monkeypatch):
     """A 40-row job interrupted (Ctrl-C, in process) after two committed windows."""
     src = write_tickets(tmp_path / "small.jsonl", 40)
     out = tmp_path / "out.jsonl"
-    commit, calls = DurableOutput.commit, []
-
-    def interrupted(self, *args):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        commit(self, *args)
-
     with monkeypatch.context() as patch:
-        patch.setattr(DurableOutput, "commit", interrupted)
+        fail_on_commit(patch, 3, KeyboardInterrupt())
         result = invoke(classify_args(src, model_dir, out))
     assert result.exit_code == 130 and "resume with:" in result.text
     assert len(out.read_text().splitlines()) == 2 * WINDOW

@@ -132,6 +132,11 @@ class FloorPoint:
 COVERAGES = (1.0, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5)
 
 
+def as_min_prob(probability: float) -> float:
+    """A probability rounded down to 3 decimals: a --min-prob that still answers the item it came from."""
+    return math.floor(probability * 1000) / 1000
+
+
 def floor_points(confidences: list[float], correct: list[bool], coverages=COVERAGES) -> list[FloorPoint]:
     """For each coverage c, a floor that answers at least c of the items (the probability of the ceil(c * n)-th
     most confident one, rounded down to 3 decimals: a value to pass as --min-prob), with what it answers and how
@@ -142,7 +147,7 @@ def floor_points(confidences: list[float], correct: list[bool], coverages=COVERA
     for c in coverages:
         if not total:
             break
-        floor = math.floor(ranked[max(1, math.ceil(c * total - 1e-9)) - 1][0] * 1000) / 1000
+        floor = as_min_prob(ranked[max(1, math.ceil(c * total - 1e-9)) - 1][0])
         kept = [ok for p, ok in ranked if p >= floor]
         point = FloorPoint(floor, len(kept), sum(kept), total)
         if not points or point.answered != points[-1].answered:
@@ -158,7 +163,7 @@ def floor_for_accuracy(confidences: list[float], correct: list[bool], target: fl
         raise ValueError(f"a target accuracy is a share in (0, 1], e.g. 0.9 for 90%; got {target!r}")
     ranked = sorted(zip(confidences, correct, strict=True), key=lambda pair: -pair[0])
     best, answered, right = None, 0, 0
-    for floor in sorted({math.floor(p * 1000) / 1000 for p, _ in ranked}, reverse=True):
+    for floor in sorted({as_min_prob(p) for p, _ in ranked}, reverse=True):
         while answered < len(ranked) and ranked[answered][0] >= floor:
             right += ranked[answered][1]
             answered += 1
