@@ -136,7 +136,8 @@ class RemoteClassifier:
         as the one it began with (not one restarted with another floor, model or calibration)."""
         info, task = self.info(), self.task_info()
         keys = ("labels", "instructions", "descriptions", "num_examples", "prefix_tokens", "calibration", "fallback")
-        return {"model": info.get("model"), "dtype": info.get("dtype"), **{key: task.get(key) for key in keys}}
+        cut = {"truncate_tokens": task["truncate_tokens"]} if task.get("truncate_tokens") else {}  # absent: as before
+        return {"model": info.get("model"), "dtype": info.get("dtype"), **{key: task.get(key) for key in keys}, **cut}
 
     def labels(self) -> tuple[str, ...]:
         """The task's labels, in the server's order."""

@@ -58,13 +58,14 @@ class SlimRouteClassifier(ClassifierMixin, BaseEstimator):
     gold labels: offsets_; a class name is then a label the model scores, so give meaningful names).
     instructions: the prompt's instructions (labels are the classes seen in fit). folds, cs,
     with_label_logprobs, with_mean, classifier, layer: as in `slimroute tune` (TuneConfig; mode="head").
-    batch_size, max_batch_tokens: the engine's."""
+    batch_size, max_batch_tokens: the engine's. truncate_tokens: read only each text's first this many tokens (the
+    task's truncate_tokens; None: whole texts)."""
 
     def __init__(self, model: str = DEFAULT_MODEL, *, mode: str = "head", instructions: str | None = None,
                  dtype: str = "auto", threads: int | None = None, device: str = "cpu",
                  with_label_logprobs: bool = False, with_mean: bool = True, classifier: str = "auto",
                  layer: int | str | None = "auto", folds: int = 5, cs: tuple[float, ...] = DEFAULT_CS,
-                 batch_size: int = 32, max_batch_tokens: int | None = 512):
+                 batch_size: int = 32, max_batch_tokens: int | None = 512, truncate_tokens: int | None = None):
         self.model = model
         self.mode = mode
         self.instructions = instructions
@@ -79,6 +80,7 @@ class SlimRouteClassifier(ClassifierMixin, BaseEstimator):
         self.cs = cs
         self.batch_size = batch_size
         self.max_batch_tokens = max_batch_tokens
+        self.truncate_tokens = truncate_tokens
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
@@ -99,7 +101,7 @@ class SlimRouteClassifier(ClassifierMixin, BaseEstimator):
         names = [str(c) for c in classes]
         if len(set(names)) != len(names):
             raise ValueError(f"the classes {list(classes)} are not distinct as strings")
-        task = Task(tuple(names), self.instructions or DEFAULT_INSTRUCTIONS)
+        task = Task(tuple(names), self.instructions or DEFAULT_INSTRUCTIONS, truncate_tokens=self.truncate_tokens)
         loaded = self._loaded()
         engine = Engine.from_loaded(loaded, task, self._engine_config())
         golds = [str(label) for label in y]

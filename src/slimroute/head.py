@@ -99,7 +99,8 @@ class Head:
         spec = self.meta["task"]
         examples = tuple(Example(text, label) for text, label in spec.get("examples", []))
         described = {"descriptions": tuple(map(tuple, spec["descriptions"]))} if spec.get("descriptions") else {}
-        return Task(tuple(spec["labels"]), spec["instructions"], examples, **described)
+        return Task(tuple(spec["labels"]), spec["instructions"], examples, **described,
+                    truncate_tokens=spec.get("truncate_tokens"))
 
     def logprobs(self, hidden: torch.Tensor, label_logprobs: torch.Tensor | None = None) -> torch.Tensor:
         """(N, H) or, with +mean, (N, 2H) item states (item_states, with the means of `layers` after them)
@@ -252,6 +253,8 @@ def task_spec(task: Task) -> dict:
             "examples": [[ex.text, ex.label] for ex in task.examples]}
     if getattr(task, "descriptions", ()):  # label descriptions, where the task has them
         spec["descriptions"] = [list(pair) for pair in task.descriptions]
+    if task.truncate_tokens is not None:  # the features were read from each text's first tokens only
+        spec["truncate_tokens"] = task.truncate_tokens
     return spec
 
 

@@ -90,6 +90,7 @@ def job_settings(*, task, config, model: str, dtype: str, device: str, threads: 
     return {
         "model": model, "dtype": dtype, "device": device, "threads": threads, "reference": reference,
         "labels": list(task.labels), "prompt_sha256": hashlib.sha256(prompt.encode()).hexdigest()[:16],
+        **({"truncate_tokens": task.truncate_tokens} if task.truncate_tokens else {}),  # absent: older records resume
         **{f"engine.{key}": value for key, value in asdict(config).items()},
         "window": window, "columns": list(columns), "limit": limit or None,
         "errors": str(Path(errors).resolve()) if errors else None,

@@ -10,7 +10,7 @@ conversation right after the last special token before the item text, so that
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from slimroute.labels import label_token_ids
@@ -35,8 +35,12 @@ class Task:
     examples: tuple[Example, ...] = ()
     name: str = "default"
     descriptions: tuple[tuple[str, str], ...] = ()  # (label, description) pairs; a dict is accepted too
+    # Read only each text's first this many tokens (None: as many as the model's context leaves room for); a
+    # longer text is cut, in the reference and the fast path alike, and marked truncated.
+    truncate_tokens: int | None = None
 
     def __post_init__(self):
+        check_truncate_tokens(self.truncate_tokens)
         labels, described = parse_labels(self.labels)
         given = self.descriptions.items() if isinstance(self.descriptions, dict) else self.descriptions
         for label, description in given:
@@ -76,9 +80,10 @@ class Task:
     def from_dict(cls, data: dict, name: str = "default") -> Task:
         if not isinstance(data, dict):
             raise ValueError(f"task: expected a mapping with 'labels', got {type(data).__name__}")
-        unknown = set(data) - {"labels", "instructions", "examples", "name"}
+        unknown = set(data) - {"labels", "instructions", "examples", "name", "truncate_tokens"}
         if unknown:
-            raise ValueError(f"task: unknown field(s) {sorted(unknown)}; allowed: labels, instructions, examples")
+            raise ValueError(f"task: unknown field(s) {sorted(unknown)}; allowed: labels, instructions, examples, "
+                             "truncate_tokens")
         if "labels" not in data:
             raise ValueError("task: field 'labels' is missing")
         examples = []
@@ -94,11 +99,22 @@ class Task:
             data.get("instructions") or DEFAULT_INSTRUCTIONS,
             tuple(examples),
             str(data.get("name", name)),
+            truncate_tokens=data.get("truncate_tokens"),
         )
 
     @classmethod
     def from_file(cls, path: str | Path) -> Task:
         return cls.from_dict(load_task_file(path), Path(path).stem)
+
+    def truncated_to(self, tokens: int | None) -> Task:
+        """This task reading each text's first `tokens` tokens (`--truncate-tokens`): None keeps the task's own
+        setting, 0 reads whole texts."""
+        if tokens is None:
+            return self
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ValueError(f"--truncate-tokens: expected a number of tokens >= 1 (e.g. 128), or 0 for whole texts, "
+                             f"got {tokens!r}")
+        return replace(self, truncate_tokens=tokens or None)
 
     def description(self, label: str) -> str | None:
         return dict(self.descriptions).get(label)
@@ -143,6 +159,12 @@ def parse_labels(entries) -> tuple[tuple, dict[str, str]]:
         else:
             names.append(entry)
     return tuple(names), described
+
+
+def check_truncate_tokens(value) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"truncate_tokens: expected a whole number of tokens >= 1 (e.g. 128), got {value!r}")
+    return value
 
 
 def check_description(label, description) -> str:
@@ -196,17 +218,17 @@ class Prompt:
         self._suffix_ids = encode(self.tokenizer, self._suffix)
         self._head_ids = encode(self.tokenizer, self._head)
         longest_label = max(len(ids) for ids in self.label_ids)
-        self.max_text_tokens = (
-            self.max_positions - len(self.prefix_ids) - len(self._head_ids) - len(self._suffix_ids) - longest_label
-        )
-        if self.max_text_tokens < 1:
+        room = self.max_positions - len(self.prefix_ids) - len(self._head_ids) - len(self._suffix_ids) - longest_label
+        if room < 1:
             raise ValueError(
                 f"the task's prompt ({len(self.prefix_ids)} tokens) leaves no room for the text in the "
                 f"model's context of {self.max_positions} tokens; shorten the instructions or examples"
             )
+        self.max_text_tokens = min(room, self.task.truncate_tokens or room)
 
     def fit_text(self, text: str) -> tuple[str, bool]:
-        """Keep the text's first tokens so the whole prompt fits the context; (text, truncated)."""
+        """Keep the text's first tokens so the whole prompt fits the context and the text at most the task's
+        truncate_tokens; (text, truncated)."""
         text = text.strip()
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         if len(enc["input_ids"]) <= self.max_text_tokens:

@@ -284,13 +284,15 @@ DESCRIPTION_SCALE = 100.0  # logits = scale x cosine similarity: sets the head's
 def description_task(task: Task) -> Task:
     """The prompt a description head reads items through: the task's labels, instructions and examples, its
     label descriptions left out (they become the prototypes instead; in the system prompt too they cost
-    accuracy: 88% against 98.5% on 200 sample tickets, int8)."""
+    accuracy: 88% against 98.5% on 200 sample tickets, int8). The task's truncate_tokens is left out too: the
+    descriptions are read whole (description_head records the cap for the items)."""
     check_described(task.labels, dict(task.descriptions))
     return Task(task.labels, task.instructions, task.examples)
 
 
 def description_head(engine, descriptions: dict[str, str], meta: dict | None = None,
-                     scale: float = DESCRIPTION_SCALE, centre_texts: tuple[str, ...] = CONTENT_FREE_TEXTS) -> Head:
+                     scale: float = DESCRIPTION_SCALE, centre_texts: tuple[str, ...] = CONTENT_FREE_TEXTS,
+                     truncate_tokens: int | None = None) -> Head:
     """A head from label descriptions alone, no labelled rows (`slimroute tune --from-descriptions`).
 
     engine: the model and prompt (description_task); descriptions: label -> text, for each of its task's labels.
@@ -298,7 +300,8 @@ def description_head(engine, descriptions: dict[str, str], meta: dict | None = N
     tokens is the label's prototype. The content-free texts run too; their average is the centre. The head
     scores an item by the cosine similarity between its mean state and each prototype, both taken from the
     centre: features "mean", standardised with mean = centre and std = 1, normalised to unit length; weight
-    rows = scale x the unit vectors from the centre to the prototypes; bias 0."""
+    rows = scale x the unit vectors from the centre to the prototypes; bias 0. truncate_tokens: the cap the head's
+    task records for the items it will score (the descriptions themselves are read whole by the engine's task)."""
     labels = engine.task.labels
     check_described(labels, descriptions)
     if not scale > 0:
@@ -311,7 +314,8 @@ def description_head(engine, descriptions: dict[str, str], meta: dict | None = N
     from slimroute import __version__
     from slimroute.fingerprint import identity
 
-    info = {"identity": identity(engine.model, engine.tokenizer, engine.task), "task": task_spec(engine.task),
+    info = {"identity": identity(engine.model, engine.tokenizer, engine.task),
+            "task": task_spec(replace(engine.task, truncate_tokens=truncate_tokens)),
             "from_descriptions": {"prototypes": texts, "centre_texts": list(centre_texts), "scale": scale},
             "slimroute": __version__, **(meta or {})}
     return Head(labels, weight, torch.zeros(len(labels), dtype=torch.float64), centre, torch.ones_like(centre),

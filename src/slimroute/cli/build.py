@@ -8,7 +8,8 @@ from slimroute.cli import ui
 from slimroute.config import EngineConfig
 
 
-def build_task(labels, instructions, task_file, examples=None, shots=None, text_column="text", label_column=None):
+def build_task(labels, instructions, task_file, examples=None, shots=None, text_column="text", label_column=None,
+               truncate_tokens=None):
     from slimroute.examples import with_examples_from
     from slimroute.task import Task
 
@@ -20,7 +21,7 @@ def build_task(labels, instructions, task_file, examples=None, shots=None, text_
         ui.fail("no labels: pass --labels a,b,c or --task task.yaml")
     else:
         task = Task.from_labels(labels, instructions)
-    return with_examples_from(task, examples, shots, text_column, label_column or "label")
+    return with_examples_from(task.truncated_to(truncate_tokens), examples, shots, text_column, label_column or "label")
 
 
 def calibration_settings(calibrate, calibration_data, text_column, label_column):
@@ -46,7 +47,7 @@ def load_head(head_dir):
 
 
 def task_and_head(labels, instructions, task_file, head_dir, examples=None, shots=None, text_column="text",
-                  label_column=None):
+                  label_column=None, truncate_tokens=None):
     """(task, head or None, answer labels); with a head and neither --labels nor --task, the head's own task.
     --examples go into either prompt (a head then only fits if it was tuned with the same examples)."""
     from slimroute.examples import with_examples_from
@@ -54,9 +55,11 @@ def task_and_head(labels, instructions, task_file, head_dir, examples=None, shot
     head = load_head(head_dir)
     if head is not None and labels is None and task_file is None:
         the_task = head.task if instructions is None else replace(head.task, instructions=instructions)
-        the_task = with_examples_from(the_task, examples, shots, text_column, label_column or "label")
+        the_task = with_examples_from(the_task.truncated_to(truncate_tokens), examples, shots, text_column,
+                                      label_column or "label")
     else:
-        the_task = build_task(labels, instructions, task_file, examples, shots, text_column, label_column)
+        the_task = build_task(labels, instructions, task_file, examples, shots, text_column, label_column,
+                              truncate_tokens)
     return the_task, head, list(head.labels if head else the_task.labels)
 
 

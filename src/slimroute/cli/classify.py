@@ -33,6 +33,7 @@ def classify(
     input: Path = typer.Argument(..., help="CSV, JSONL or Parquet file."),
     out: Path = typer.Option(..., "--out", "-o", help="predictions.jsonl / .csv / .parquet"),
     labels: str = opt.LABELS, instructions: str = opt.INSTRUCTIONS, task: Path = opt.TASK,
+    truncate_tokens: int = opt.TRUNCATE,
     model: str = opt.MODEL, dtype: str = opt.DTYPE, threads: int = opt.THREADS, device: str = opt.DEVICE,
     text_column: str = opt.TEXT_COL, id_column: str = opt.ID_COL, label_column: str = opt.LABEL_COL,
     batch_size: int = opt.BATCH, max_batch_tokens: int = opt.MAX_TOKENS, no_prefix_cache: bool = opt.NO_PREFIX,
@@ -73,6 +74,9 @@ def classify(
         ui.fail("with --server the prompt is the server's; start it with slimroute serve --examples")
     if (min_prob is not None or fallback_label is not None) and server:
         ui.fail("with --server the fallback floor is the server's setting: slimroute serve --min-prob")
+    if truncate_tokens is not None and server:
+        ui.fail("with --server the server's task decides how much of a text is read: slimroute serve "
+                "--truncate-tokens")
     try:
         config = engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort, decision, max_padding,
                                recheck_margin, min_prob, fallback_label)
@@ -80,7 +84,8 @@ def classify(
         ui.fail(str(exc))
     if backend == "ray":
         return classify_on_ray(input, out, labels, instructions, task, model, dtype, text_column, id_column,
-                               label_column, config, replicas, threads_per_replica, ray_address, examples, shots)
+                               label_column, config, replicas, threads_per_replica, ray_address, examples, shots,
+                               truncate_tokens)
     try:
         remote = None
         if server:
@@ -93,7 +98,7 @@ def classify(
             the_head, answers = None, list(the_task.labels)
         else:
             the_task, the_head, answers = task_and_head(labels, instructions, task, head, examples, shots,
-                                                        text_column, label_column)
+                                                        text_column, label_column, truncate_tokens)
         calibration = calibration_settings(calibrate, calibration_data, text_column, label_column)
         calibration.check_data(answers, the_head)  # before the model loads
         check_fallback(config, answers)
@@ -138,8 +143,7 @@ def classify(
     if stats is not None:
         summary.padding_overhead = stats.padding.overhead
     if summary.num_truncated:
-        ui.console.print(f"[yellow]warning:[/] {summary.num_truncated} text(s) were longer than the context "
-                      "and were truncated (their first tokens were kept)")
+        ui.console.print(truncation_note(summary.num_truncated, None if server else the_task.truncate_tokens))
     record = print_summary(ui.console, summary, classifier, output.record.calibration)
     if summary_json:
         summary_json.write_text(json.dumps(record, indent=2))
@@ -150,14 +154,25 @@ def classify(
         ui.console.print(f"wrote {summary.num_items} predictions to {out}")
 
 
+def truncation_note(count: int, truncate_tokens: int | None) -> str:
+    """The summary's line on cut texts: a warning where the context cut them, a note where the task asked for it."""
+    if truncate_tokens is None:
+        return (f"[yellow]warning:[/] {count} text(s) were longer than the context and were truncated (their first "
+                "tokens were kept)")
+    return (f"{count} text(s) were longer than --truncate-tokens {truncate_tokens} (or the context): only their "
+            "first tokens were read (truncated: true)")
+
+
 def classify_on_ray(input, out, labels, instructions, task, model, dtype, text_column, id_column, label_column,
-                    config, replicas, threads_per_replica, ray_address, examples=None, shots=None):
+                    config, replicas, threads_per_replica, ray_address, examples=None, shots=None,
+                    truncate_tokens=None):
     try:
         from slimroute.backends.ray import run_ray_job
     except ImportError as exc:
         ui.fail(f"the Ray backend needs Ray: pip install 'slimroute[ray]' ({exc})")
     try:
-        the_task = build_task(labels, instructions, task, examples, shots, text_column, label_column)
+        the_task = build_task(labels, instructions, task, examples, shots, text_column, label_column,
+                              truncate_tokens)
         summary = run_ray_job(input, out, the_task, model, config, replicas,
                               threads_per_replica, ray_address, text_column, id_column, label_column, dtype)
     except (ValueError, ModelNotFoundError) as exc:

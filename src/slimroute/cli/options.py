@@ -13,6 +13,10 @@ LABELS = typer.Option(None, "--labels", "-l", help="Comma-separated labels, e.g.
 INSTRUCTIONS = typer.Option(None, "--instructions", help="Instructions for the model (system prompt).")
 TASK = typer.Option(None, "--task", help="Task file (YAML/JSON: labels (names or {name, description}), "
                                          "instructions, examples).")
+TRUNCATE = typer.Option(None, "--truncate-tokens", help="Read only each text's first N tokens: faster on long texts "
+                                                     "(a cut text is marked truncated; check accuracy with eval). "
+                                                     "Default: the task file's truncate_tokens, else whole texts; "
+                                                     "0: whole texts.")
 TEXT_COL = typer.Option("text", "--text-column", help="Text column (of the input, --examples, --calibration-data).")
 ID_COL = typer.Option("id", "--id-column")
 LABEL_COL = typer.Option(None, "--label-column", help="Gold-label column (default: 'label' when present; also "

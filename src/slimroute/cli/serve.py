@@ -13,7 +13,7 @@ from slimroute.cli.build import calibration_settings, check_fallback, engine_con
 
 def serve(
     task: Path = typer.Option(None, "--task", help="Task file: one task or several (docs/server.md)."),
-    labels: str = opt.LABELS, instructions: str = opt.INSTRUCTIONS,
+    labels: str = opt.LABELS, instructions: str = opt.INSTRUCTIONS, truncate_tokens: int = opt.TRUNCATE,
     model: str = opt.MODEL, dtype: str = opt.DTYPE, threads: int = opt.THREADS, device: str = opt.DEVICE,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(8000, "--port"),
@@ -58,7 +58,7 @@ def serve(
             api_keys=api_key, api_key_file=api_key_file, metrics_need_key=metrics_need_key)
         calibration = calibration_settings(calibrate, calibration_data, text_column, label_column)
         task_set = with_accuracy_options(task_set, examples, shots, text_column, label_column or "label", calibration,
-                                         the_head)
+                                         the_head, truncate_tokens)
         config = engine_config(batch_size, max_batch_tokens, False, False, decision, max_padding, recheck_margin,
                                min_prob, fallback_label)
         for served in task_set.tasks.values():

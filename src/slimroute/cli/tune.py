@@ -20,6 +20,7 @@ def tune(
     text_column: str = opt.TEXT_COL,
     label_column: str = typer.Option("label", "--label-column", help="The column with each row's label."),
     labels: str = opt.LABELS, instructions: str = opt.INSTRUCTIONS, task: Path = opt.TASK,
+    truncate_tokens: int = opt.TRUNCATE,
     model: str = opt.MODEL, dtype: str = opt.DTYPE, threads: int = opt.THREADS, device: str = opt.DEVICE,
     batch_size: int = opt.BATCH, max_batch_tokens: int = opt.MAX_TOKENS, no_prefix_cache: bool = opt.NO_PREFIX,
     with_label_logprobs: bool = typer.Option(False, "--with-label-logprobs",
@@ -54,7 +55,7 @@ def tune(
     if from_descriptions:
         return tune_from_descriptions(input, out, labels, instructions, task, model, dtype, threads, device,
                                       engine_config(batch_size, max_batch_tokens, no_prefix_cache, False, "greedy"),
-                                      overwrite)
+                                      overwrite, truncate_tokens)
     try:
         if input is None:
             raise ValueError("no input: give a labelled file to tune on, or --from-descriptions with a --task "
@@ -67,8 +68,8 @@ def tune(
                                    layer=tuning.parse_layer(layer))
         texts, golds = tuning.labelled_rows(read_input(input, text_column, "id", label_column, limit), label_column)
         classes = tuning.check_labelled(texts, golds, config.folds)
-        the_task = (build_task(labels, instructions, task) if labels or task
-                    else Task(tuple(classes), instructions or DEFAULT_INSTRUCTIONS))
+        the_task = (build_task(labels, instructions, task, truncate_tokens=truncate_tokens) if labels or task
+                    else Task(tuple(classes), instructions or DEFAULT_INSTRUCTIONS).truncated_to(truncate_tokens))
         tuning.check_label_features(the_task, classes, with_label_logprobs)
         loaded = load(model, dtype, threads, device)
         engine = make_classifier(loaded, the_task, engine_config(batch_size, max_batch_tokens, no_prefix_cache,
@@ -93,7 +94,8 @@ def tune(
     ui.console.print(f"wrote {out / 'head.safetensors'} and {out / 'head.json'}")
 
 
-def tune_from_descriptions(input, out, labels, instructions, task, model, dtype, threads, device, config, overwrite):
+def tune_from_descriptions(input, out, labels, instructions, task, model, dtype, threads, device, config, overwrite,
+                           truncate_tokens=None):
     from slimroute import tune as tuning
     from slimroute.head import check_out
 
@@ -104,7 +106,7 @@ def tune_from_descriptions(input, out, labels, instructions, task, model, dtype,
         if task is None:
             raise ValueError("--from-descriptions needs --task: a task file whose labels have descriptions")
         check_out(out, overwrite)
-        described = build_task(labels, instructions, task)
+        described = build_task(labels, instructions, task, truncate_tokens=truncate_tokens)
         prompt = tuning.description_task(described)
         loaded = load(model, dtype, threads, device)
         engine = make_classifier(loaded, prompt, config)
@@ -112,7 +114,8 @@ def tune_from_descriptions(input, out, labels, instructions, task, model, dtype,
         ui.fail(str(exc))
     with ui.console.status(f"scoring {len(prompt.labels)} descriptions"):
         head = tuning.description_head(engine, dict(described.descriptions), tuning.head_meta(model, loaded.precision,
-                                                                                              task))
+                                                                                              task),
+                                       truncate_tokens=described.truncate_tokens)
     head.save(out, overwrite)
     from slimroute.report import print_description_head
 

@@ -26,6 +26,7 @@ from slimroute.models import ModelNotFoundError
 def verify(
     input: Path = typer.Argument(...),
     labels: str = opt.LABELS, instructions: str = opt.INSTRUCTIONS, task: Path = opt.TASK,
+    truncate_tokens: int = opt.TRUNCATE,
     model: str = opt.MODEL, dtype: str = opt.DTYPE, threads: int = opt.THREADS, device: str = opt.DEVICE,
     text_column: str = opt.TEXT_COL, id_column: str = opt.ID_COL, label_column: str = opt.LABEL_COL,
     batch_size: int = opt.BATCH, max_batch_tokens: int = opt.MAX_TOKENS, no_prefix_cache: bool = opt.NO_PREFIX,
@@ -45,7 +46,7 @@ def verify(
 
     try:
         the_task, the_head, answers = task_and_head(labels, instructions, task, head, examples, shots, text_column,
-                                                    label_column)
+                                                    label_column, truncate_tokens)
         calibration = calibration_settings(calibrate, calibration_data, text_column, label_column)
         calibration.check_data(answers, the_head)
         config = engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort, decision, max_padding,
@@ -68,6 +69,7 @@ def verify(
     record = {**result.to_dict(), "reference_s": ref_s, "fast_s": fast_s, "dtype": loaded.precision,
               "dtype_reason": loaded.precision_reason, "model": model, "padding_overhead": fast.stats.padding.overhead,
               "head": str(head) if head else None, "prefix_tokens": len(fast.prompt.prefix_ids),
+              "truncate_tokens": the_task.truncate_tokens,
               "calibration": offsets.to_dict() if offsets is not None else None,
               "fallback": asdict(config.fallback) if config.fallback is not None else None}
     ui.console.print(

@@ -222,7 +222,7 @@ class Service:
     def info(self) -> dict:
         tasks = [{"name": name, "labels": list(getattr(e, "labels", e.task.labels)),  # a head's labels, if any
                   "instructions": e.task.instructions, "descriptions": dict(e.task.descriptions),
-                  "num_examples": len(e.task.examples),
+                  "num_examples": len(e.task.examples), "truncate_tokens": e.task.truncate_tokens,
                   "prefix_tokens": len(e.prompt.prefix_ids) if hasattr(e, "prompt") else None,
                   "calibration": e.calibration.to_dict() if getattr(e, "calibration", None) else None,
                   "fallback": _fallback_info(getattr(e, "fallback", None)),

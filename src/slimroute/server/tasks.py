@@ -80,12 +80,13 @@ def load_task_set(path: str | Path) -> TaskSet:
 
 
 def with_accuracy_options(task_set: TaskSet, examples=None, shots: int | None = None, text_column: str = "text",
-                          label_column: str = "label", calibration=None, head=None) -> TaskSet:
-    """The task set with `serve --examples` applied, after checking `serve --calibrate` can run: the
-    examples and calibration data need a single task, batch calibration needs data (offsets are estimated
-    at startup, never from requests, so an answer does not depend on which requests came first), and the
-    calibration data is read and checked here, before the model loads (calibration with a tuned `head`:
-    refused, see calibration.check_head)."""
+                          label_column: str = "label", calibration=None, head=None,
+                          truncate_tokens: int | None = None) -> TaskSet:
+    """The task set with `serve --examples` and `--truncate-tokens` (every task) applied, after checking
+    `serve --calibrate` can run: the examples and calibration data need a single task, batch calibration needs
+    data (offsets are estimated at startup, never from requests, so an answer does not depend on which
+    requests came first), and the calibration data is read and checked here, before the model loads
+    (calibration with a tuned `head`: refused, see calibration.check_head)."""
     from slimroute.calibration import check_head
     from slimroute.examples import with_examples_from
 
@@ -98,7 +99,7 @@ def with_accuracy_options(task_set: TaskSet, examples=None, shots: int | None = 
         raise ValueError("on a server, --calibrate batch needs --calibration-data: texts whose mean label "
                          "log-probs are estimated at startup (never from requests, so an answer does not "
                          "depend on who came first)")
-    tasks = {name: with_examples_from(task, examples, shots, text_column, label_column)
+    tasks = {name: with_examples_from(task.truncated_to(truncate_tokens), examples, shots, text_column, label_column)
              for name, task in task_set.tasks.items()}
     if calibration is not None:
         for task in tasks.values():
