@@ -52,6 +52,9 @@ def invoke(monkeypatch, model_dir):
     (["{src}", "--labels", LABELS, "--errors", "{tmp}/errors.csv"], "must be a .jsonl file"),
     (["{src}", "--labels", LABELS, "--out", "{tmp}/out.xlsx"], "must end in .jsonl, .csv or .parquet"),
     (["{src}", "--labels", LABELS, "--model", "{tmp}/no-such-model"], "unknown model"),
+    (["{src}", "--labels", LABELS, "--truncate-tokens", "-1"], "--truncate-tokens: expected a number of tokens"),
+    (["{src}", "--labels", LABELS, "--truncate-tokens", "8", "--server", "http://127.0.0.1:9"],
+     "the server's task decides how much of a text is read"),
 ])
 def test_usage_errors_exit_2_and_write_nothing(tmp_path, src, invoke, args, message):
     (tmp_path / "task.yaml").write_text("labels: [billing, technical]\n")
@@ -81,6 +84,27 @@ def test_summary_covers_errors_truncation_accuracy_and_timing(tmp_path, src, inv
     summary = json.loads(summary_json.read_text())
     assert (summary["items"], summary["errors"], summary["truncated"], summary["resumed"]) == (5, 1, 1, 0)
     assert sum(n for _, _, n in summary["confusion"]) == 4 and summary["items_per_s"] > 0
+
+
+def test_truncate_tokens_cuts_long_texts_and_says_so(tmp_path, src, invoke):
+    out, summary_json = tmp_path / "out.jsonl", tmp_path / "summary.json"
+    result = invoke(src, "--labels", LABELS, "--out", out, "--summary-json", summary_json, "--truncate-tokens", "12")
+    assert result.exit_code == 0, result.output
+    rows = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    cut = sorted(key for key, row in rows.items() if row["truncated"])
+    assert cut == ["a", "b", "long"]  # c is 12 tokens or fewer with the tiny model's tokenizer
+    assert "3 text(s) were longer than --truncate-tokens 12 (or the context): only their first tokens were read" \
+        in result.text and "truncated │ 3 (texts read up to 12 tokens)" in result.text
+    summary = json.loads(summary_json.read_text())
+    assert (summary["truncated"], summary["truncate_tokens"]) == (3, 12)
+    task = tmp_path / "task.yaml"  # the same from a task file
+    task.write_text("labels: [billing, technical, account]\ntruncate_tokens: 12\n")
+    again = tmp_path / "again.jsonl"
+    assert invoke(src, "--task", task, "--out", again).exit_code == 0
+    assert again.read_bytes() == out.read_bytes()
+    whole = tmp_path / "whole.jsonl"  # 0: whole texts again
+    assert invoke(src, "--task", task, "--truncate-tokens", "0", "--out", whole).exit_code == 0
+    assert [json.loads(line)["truncated"] for line in whole.read_text().splitlines()] == [False] * 3 + [True, False]
 
 
 def test_errors_file_and_identical_reruns(tmp_path, src, invoke):

@@ -144,7 +144,13 @@ def test_a_server_job_resumes_only_against_a_server_that_answers_as_before(tiny,
         result = CliRunner().invoke(cli.app, args(out, "--resume"))
     assert result.exit_code == 2 and "settings differ" in result.output and "served:" in result.output
     assert "'fallback': {'min_prob': 0.9" in " ".join(result.output.split())
+    cut = Engine(*tiny, Task.from_labels(LABELS, name="default", truncate_tokens=4))
+    with live_server(create_app({"default": cut}), port=port):
+        assert RemoteClassifier(f"http://127.0.0.1:{port}").answer_settings()["truncate_tokens"] == 4
+        result = CliRunner().invoke(cli.app, args(out, "--resume"))
+    assert result.exit_code == 2 and "'truncate_tokens': 4" in " ".join(result.output.split())
     with live_server(create_app({"default": make_engine(tiny)}), port=port):
+        assert "truncate_tokens" not in RemoteClassifier(f"http://127.0.0.1:{port}").answer_settings()
         result = CliRunner().invoke(cli.app, args(out, "--resume"))
         assert result.exit_code == 0, result.output
         assert CliRunner().invoke(cli.app, args(whole)).exit_code == 0
@@ -173,10 +179,16 @@ def test_task_file_with_several_tasks(tmp_path):
         "default: urgency\ntasks:\n"
         "  tickets:\n    labels: [billing, technical]\n    examples:\n"
         "      - {text: charged twice, label: billing}\n"
-        "  urgency:\n    labels: [low, high]\n    instructions: How urgent is it?\n"
+        "  urgency:\n    labels: [low, high]\n    instructions: How urgent is it?\n    truncate_tokens: 64\n"
     )
     tasks = load_task_set(path)
     assert tasks.default == "urgency"
+    assert (tasks.tasks["tickets"].truncate_tokens, tasks.tasks["urgency"].truncate_tokens) == (None, 64)
+    from slimroute.server.tasks import with_accuracy_options
+
+    cut = with_accuracy_options(tasks, truncate_tokens=16)  # serve --truncate-tokens: every task
+    assert [task.truncate_tokens for task in cut.tasks.values()] == [16, 16]
+    assert [task.truncate_tokens for task in with_accuracy_options(tasks).tasks.values()] == [None, 64]
     assert tasks.tasks["tickets"].examples[0].label == "billing"
     assert tasks.tasks["urgency"].instructions == "How urgent is it?"
     assert tasks.tasks["urgency"].name == "urgency"
@@ -282,7 +294,7 @@ def test_slimroute_serve_with_examples_and_fitted_calibration(model_dir, tmp_pat
     port = free_port()
     command = [sys.executable, "-m", "slimroute.cli", "serve", "--model", str(model_dir), "--labels", LABELS,
                "--port", str(port), "--threads", "1", "--examples", str(labelled), "--shots", "1",
-               "--calibrate", "fitted", "--calibration-data", str(labelled)]
+               "--calibrate", "fitted", "--calibration-data", str(labelled), "--truncate-tokens", "5"]
     proc = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
@@ -290,9 +302,11 @@ def test_slimroute_serve_with_examples_and_fitted_calibration(model_dir, tmp_pat
         assert proc.poll() is None, "slimroute serve exited early"
         info = httpx.get(f"{url}/v1/info").json()["tasks"][0]
         assert info["num_examples"] == 3 and info["calibration"]["mode"] == "fitted"
-        assert info["calibration"]["num_inputs"] == 6
+        assert info["calibration"]["num_inputs"] == 6 and info["truncate_tokens"] == 5
         result = httpx.post(f"{url}/v1/classify", json={"text": "refund please"}).json()["results"][0]
         assert set(result["calibrated_logprobs"]) == set(LABELS.split(","))
+        results = httpx.post(f"{url}/v1/classify", json={"texts": ["hi", "refund " * 40]}).json()["results"]
+        assert [r["truncated"] for r in results] == [False, True]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) in (0, -signal.SIGTERM)
     finally:

@@ -213,3 +213,20 @@ def test_a_fallback_floor_is_applied_alike_in_both_paths(tiny_qwen):
     rechecked = Engine(model, tok, task, EngineConfig(recheck_margin=float("inf"), min_prob=floor,
                                                       fallback_label="human")).classify(texts)
     assert [p.label for p in rechecked] == [p.label for p in ref]
+
+
+@pytest.mark.parametrize("labels", ["single", "multi"])
+def test_truncate_tokens_agrees_with_reference(tiny_qwen, labels):
+    """A task's truncate_tokens cuts the same texts at the same token in both paths (Prompt.fit_text)."""
+    model, tok = tiny_qwen
+    task = Task(LABEL_SETS[labels], truncate_tokens=12)
+    rng = random.Random(4)
+    texts = [make_text(rng, rng.choice([3, 11, 12, 13, 40, 200])) for _ in range(24)]
+    engine = Engine(model, tok, task, EngineConfig(batch_size=5))
+    fast = engine.classify(texts)
+    ref = ReferenceClassifier(model, tok, task).classify(texts)
+    assert_equal(ref, fast)
+    cut = [p.truncated for p in fast]
+    assert any(cut) and not all(cut) and engine.last_stats.num_truncated == sum(cut)
+    assert max(p.num_tokens for p in fast) < max(p.num_tokens for p in Engine(model, tok, Task(
+        LABEL_SETS[labels]), EngineConfig(batch_size=5)).classify(texts))

@@ -156,6 +156,9 @@ def test_head_round_trips_through_its_folder(tiny_qwen, tmp_path):
     assert loaded.layers == () and layered.digest != random_head(model, tok, task, features="hidden+mean").digest
     assert loaded.task == task and loaded.digest == head.digest
     assert sorted(p.name for p in (tmp_path / "head").iterdir()) == ["head.json", "head.safetensors"]
+    cut = Task(LABEL_SETS["single"], "Route the ticket.", truncate_tokens=64)  # read as it was tuned
+    random_head(model, tok, cut).save(tmp_path / "cut")
+    assert Head.load(tmp_path / "cut").task == cut and "truncate_tokens" not in head.meta["task"]
 
 
 def test_head_refuses_another_model_tokenizer_or_prompt(tiny_qwen):

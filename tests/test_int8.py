@@ -251,6 +251,18 @@ def test_int8_fast_path_gives_the_int8_references_bits(tiny_int8, labels, prefix
             assert [p.logprobs for p in fast] == [p.logprobs for p in ref], (decision, batch_size)  # bitwise
 
 
+def test_int8_truncate_tokens_gives_the_int8_references_bits(tiny_int8):
+    """Texts cut to a task's truncate_tokens: the fast path still gives the int8 reference's bits."""
+    model, tok = tiny_int8
+    rng = random.Random(5)
+    texts = [make_text(rng, rng.choice([2, 9, 10, 60, 130])) for _ in range(20)]
+    task = Task(MULTI, truncate_tokens=10)
+    ref = ReferenceClassifier(model, tok, task).classify(texts)
+    fast = Engine(model, tok, task, EngineConfig(batch_size=7)).classify(texts)
+    assert [p.truncated for p in fast] == [p.truncated for p in ref] and any(p.truncated for p in fast)
+    assert [p.logprobs for p in fast] == [p.logprobs for p in ref]  # bitwise
+
+
 def _quirky_gemms(monkeypatch):
     """Make the attention tiles' GEMMs round as MKL's AVX2 kernels may, on any CPU: a row's bits follow where it
     sits in the product (here: rows 4 and 5 of every 6) and whether an operand comes transposed."""

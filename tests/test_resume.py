@@ -270,6 +270,8 @@ def test_resume_refuses_other_settings_or_another_input(unfinished, model_dir, i
     assert f"window: was {WINDOW}, now 5" in result.text
     result = invoke(classify_args(src, model_dir, out, "--resume", "--decision", "max-prob"))
     assert result.exit_code == 2 and "engine.decision: was 'greedy', now 'max-prob'" in result.text
+    result = invoke(classify_args(src, model_dir, out, "--resume", "--truncate-tokens", "16"))
+    assert result.exit_code == 2 and "truncate_tokens: was None, now 16" in result.text
     edited = tmp_path / "edited.jsonl"
     edited.write_bytes(src.read_bytes() + b'{"id": "late", "text": "one more ticket"}\n')
     result = invoke(classify_args(edited, model_dir, out, "--resume"))

@@ -102,3 +102,32 @@ def test_bad_label_mappings_are_rejected(labels, message):
 def test_descriptions_of_unknown_labels_are_rejected():
     with pytest.raises(ValueError, match="'c' is not one of the labels"):
         Task(("a", "b"), descriptions={"c": "x"})
+
+
+def test_truncate_tokens_reads_only_each_texts_first_tokens(tiny_qwen):
+    _, tok = tiny_qwen
+    whole = Prompt(Task(LABELS), tok)
+    prompt = Prompt(Task(LABELS, truncate_tokens=5), tok)
+    assert prompt.max_text_tokens == 5 and prompt.prefix_ids == whole.prefix_ids  # the prompt itself is unchanged
+    long_text = "my invoice was charged twice and nobody answers my emails"
+    text, truncated = prompt.fit_text(long_text)
+    assert truncated and long_text.startswith(text) and len(encode(tok, text)) == 5
+    assert prompt.fit_text("hi") == ("hi", False)
+    assert whole.fit_text(long_text) == (long_text, False)
+    tight = Prompt(Task(LABELS, truncate_tokens=10_000), tok, max_positions=120)  # the context still caps it
+    assert tight.max_text_tokens == Prompt(Task(LABELS), tok, max_positions=120).max_text_tokens < 10_000
+
+
+def test_truncate_tokens_from_a_task_file_and_from_the_flag():
+    task = Task.from_dict({"labels": list(LABELS), "truncate_tokens": 128})
+    assert task.truncate_tokens == 128
+    assert task.truncated_to(None).truncate_tokens == 128  # no flag: the file's
+    assert task.truncated_to(32).truncate_tokens == 32
+    assert task.truncated_to(0).truncate_tokens is None  # 0: whole texts
+    with pytest.raises(ValueError, match="--truncate-tokens: expected a number of tokens >= 1.*or 0"):
+        task.truncated_to(-1)
+    for bad in (0, -3, 2.5, "128", True):
+        with pytest.raises(ValueError, match="truncate_tokens: expected a whole number of tokens >= 1"):
+            Task(LABELS, truncate_tokens=bad)
+    with pytest.raises(ValueError, match="allowed: labels, instructions, examples, truncate_tokens"):
+        Task.from_dict({"labels": list(LABELS), "truncate": 5})

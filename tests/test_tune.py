@@ -411,6 +411,33 @@ def test_tune_from_descriptions_writes_a_head_that_classify_and_verify_use(tmp_p
     assert result.exit_code == 0, result.output
     record = json.loads((tmp_path / "v.json").read_text())
     assert record["agreement"] == 1.0 and record["max_abs_logprob_diff"] <= 1e-4
+    assert record["truncate_tokens"] is None
+
+
+def test_a_head_tuned_with_truncate_tokens_reads_texts_as_it_was_tuned(tmp_path, labelled, run):
+    """The cap is the head's task's: classify and verify with the head read the same first tokens by default;
+    a description head reads its descriptions whole (the same head as without the cap, but for the cap)."""
+    task_file = tmp_path / "task.yaml"
+    task_file.write_text(DESCRIBED_TASK)
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    for out, extra in ((whole, []), (cut, ["--truncate-tokens", "6"])):
+        result = run("tune", "--from-descriptions", "--task", task_file, "--out", out, "--dtype", "float32", *extra)
+        assert result.exit_code == 0, result.output
+    assert Head.load(cut).task.truncate_tokens == 6 and Head.load(whole).task.truncate_tokens is None
+    assert torch.equal(Head.load(cut).weight, Head.load(whole).weight)
+    result = run("verify", labelled, "--head", cut, "--json", tmp_path / "v.json", "--dtype", "float32")
+    assert result.exit_code == 0, result.output
+    record = json.loads((tmp_path / "v.json").read_text())
+    assert record["agreement"] == 1.0 and record["truncate_tokens"] == 6
+    tuned = tmp_path / "tuned"
+    result = run("tune", labelled, "--label-column", "intent", "--out", tuned, "--dtype", "float32",
+                 "--truncate-tokens", "6", "--folds", "2")
+    assert result.exit_code == 0, result.output
+    assert Head.load(tuned).task.truncate_tokens == 6
+    for head, flag, want in ((tuned, [], 6), (tuned, ["--truncate-tokens", "0"], None)):
+        result = run("verify", labelled, "--head", head, "--json", tmp_path / "v.json", "--dtype", "float32", *flag)
+        assert result.exit_code == 0, result.output
+        assert json.loads((tmp_path / "v.json").read_text())["truncate_tokens"] == want
 
 
 @pytest.mark.parametrize("task_text, args, message", [
