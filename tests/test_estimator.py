@@ -87,6 +87,15 @@ def test_calibration_mode_fits_offsets_and_predicts_as_the_reference(model_dir):
     assert not hasattr(clone(estimator), "offsets_")
 
 
+def test_truncate_tokens_reaches_the_task_and_the_reference_agrees(estimator):
+    estimator.set_params(truncate_tokens=6).fit(TEXTS, LABELS)
+    assert estimator.head_.task.truncate_tokens == 6
+    loaded = estimator._loaded()
+    want = ReferenceClassifier(loaded.model, loaded.tokenizer, estimator.head_.task, head=estimator.head_)
+    assert list(estimator.predict(TEXTS[:10])) == [p.label for p in want.classify(TEXTS[:10])]
+    assert all(p.truncated for p in want.classify(TEXTS[:10]))  # every BANKING77 text here is over 6 tokens
+
+
 def test_integer_labels_come_back_as_given(estimator):
     codes = np.array([INTENTS.index(label) * 10 for label in LABELS])  # 0, 10, 20, 30: str order != int order
     estimator.fit(TEXTS, codes)
