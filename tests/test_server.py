@@ -300,6 +300,26 @@ def test_bad_input_names_the_field_and_the_limit(strict_server, body, status, fi
     assert message in error["message"]
 
 
+def test_a_task_that_reads_the_first_tokens_only_takes_texts_over_the_token_limit(tiny):
+    """--max-text-tokens bounds the work a text asks for; a task reading no text further than the limit
+    (truncate_tokens) answers a longer one, cut as the reference cuts it; a task reading further still refuses."""
+    from slimroute.reference import ReferenceClassifier
+
+    settings = ServerSettings(batch=BatchSettings(max_text_tokens=100))
+    long_text = "zq" * 100  # 200 tokens with the tiny tokenizer
+    for cut, status in ((50, 200), (100, 200), (150, 413)):
+        task = Task.from_labels(LABELS, name="default", truncate_tokens=cut)
+        with live_server(create_app({"default": Engine(*tiny, task)}, settings)) as url:
+            response = httpx.post(f"{url}/v1/classify", json={"texts": [long_text, "ok"]})
+        assert response.status_code == status, (cut, response.text)
+        if status == 200:
+            got = response.json()["results"]
+            want = ReferenceClassifier(*tiny, task).classify([long_text, "ok"])
+            assert [r["truncated"] for r in got] == [True, False]
+            for r, p in zip(got, want, strict=True):
+                assert r["label"] == p.label and r["logprobs"] == pytest.approx(p.logprobs, abs=1e-4)
+
+
 def test_chunked_body_over_the_limit_is_refused_while_streaming(strict_server):
     def chunks():
         yield b'{"text": "'

@@ -143,7 +143,8 @@ def classify(
     if stats is not None:
         summary.padding_overhead = stats.padding.overhead
     if summary.num_truncated:
-        ui.console.print(truncation_note(summary.num_truncated, None if server else the_task.truncate_tokens))
+        cut = remote.task_info().get("truncate_tokens") if remote else the_task.truncate_tokens
+        ui.console.print(truncation_note(summary.num_truncated, cut))
     record = print_summary(ui.console, summary, classifier, output.record.calibration)
     if summary_json:
         summary_json.write_text(json.dumps(record, indent=2))
