@@ -157,6 +157,17 @@ def test_a_server_job_resumes_only_against_a_server_that_answers_as_before(tiny,
     assert out.read_bytes() == whole.read_bytes() and len(whole.read_text().splitlines()) == 8
 
 
+def test_a_server_job_says_how_far_the_server_read_the_texts(tiny, tmp_path):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"id": f"r{i}", "text": t}) + "\n" for i, t in enumerate(TEXTS[:4])))
+    cut = Engine(*tiny, Task.from_labels(LABELS, name="default", truncate_tokens=4))
+    with live_server(create_app({"default": cut})) as url:
+        result = CliRunner().invoke(cli.app, ["classify", str(src), "--out", str(out), "--server", url])
+    assert result.exit_code == 0, result.output
+    assert "4 text(s) were longer than --truncate-tokens 4" in " ".join(result.output.split())
+    assert all(json.loads(line)["truncated"] for line in out.read_text().splitlines())
+
+
 def test_unreachable_server_is_a_usage_error():
     clf = RemoteClassifier(f"http://127.0.0.1:{free_port()}", timeout=2)
     with pytest.raises(ServerUnreachable, match="no slimroute server answers"):
