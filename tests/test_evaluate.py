@@ -38,6 +38,28 @@ def test_join_by_id_and_counts(files):
             evaluation.num_without_gold) == (5, 1, 1, 1)
 
 
+def test_accuracy_of_the_truncated_rows_beside_the_rest(files, tmp_path):
+    preds, gold = files
+    assert evaluate_files(preds, gold).truncation() == {"rows": 0, "accuracy": None, "rest_rows": 3,
+                                                        "rest_accuracy": pytest.approx(2 / 3)}
+    cut = tmp_path / "cut.csv"  # rows 1 (right) and 2 (wrong) cut; row 4 is an error row, not scored
+    cut.write_text(PREDICTIONS.replace("1,billing,0.8,0.1,0.1,false,", "1,billing,0.8,0.1,0.1,true,")
+                   .replace("2,billing,0.5,0.4,0.1,false,", "2,billing,0.5,0.4,0.1,true,")
+                   .replace("4,,,,,false,text is empty", "4,,,,,true,text is empty"))
+    assert evaluate_files(cut, gold).truncation() == {"rows": 2, "accuracy": 0.5, "rest_rows": 1, "rest_accuracy": 1.0}
+    as_jsonl = tmp_path / "cut.jsonl"  # JSONL and Parquet hold booleans
+    as_jsonl.write_text("".join(json.dumps({"id": i, "label": label, "p_billing": 0.5, "truncated": t}) + "\n"
+                                for i, label, t in [("1", "billing", True), ("2", "billing", False)]))
+    assert evaluate_files(as_jsonl, gold).truncation()["rows"] == 1
+    result = run_eval(cut, "--gold", gold, "--json", tmp_path / "m.json")
+    assert result.exit_code == 0, result.output
+    assert "truncated rows │ 2, 50.0% right (the other 1: 100.0%)" in result.text
+    assert json.loads((tmp_path / "m.json").read_text())["truncated"]["rows"] == 2
+    no_column = tmp_path / "plain.jsonl"
+    no_column.write_text(json.dumps({"id": "1", "label": "billing", "p_billing": 0.9}) + "\n")
+    assert evaluate_files(no_column, gold).truncation() is None
+
+
 def test_errors(files, tmp_path):
     preds, gold = files
     dup = tmp_path / "dup.jsonl"

@@ -8,6 +8,8 @@ whether that choice is right gives, per coverage, the --min-prob that keeps it a
 answers (metrics.floor_points). When the file was written with a floor (a model_label column), the rows it
 routed to the fallback label are counted, and the metrics of the rows it answered are given beside the whole.
 With a target accuracy, the floor that answers the most rows at that accuracy (metrics.floor_for_accuracy).
+Truncation: the accuracy of the scored rows whose text was cut (`truncated`: by the context or --truncate-tokens)
+beside that of the rest, to choose --truncate-tokens on labelled rows.
 """
 
 from __future__ import annotations
@@ -31,6 +33,19 @@ class Evaluation:
     num_fallback: int = 0  # scored rows routed there
     target_accuracy: float | None = None  # eval --target-accuracy
     target_floor: FloorPoint | None = None  # the floor answering the most rows at that accuracy (None: none does)
+    truncated: tuple[int, int, int, int] | None = None  # scored rows cut and right among them, the rest and right;
+    # None when the file has no truncated column
+
+    @staticmethod
+    def _share(right: int, rows: int) -> float | None:
+        return right / rows if rows else None
+
+    def truncation(self) -> dict | None:
+        if self.truncated is None:
+            return None
+        cut, cut_right, rest, rest_right = self.truncated
+        return {"rows": cut, "accuracy": self._share(cut_right, cut), "rest_rows": rest,
+                "rest_accuracy": self._share(rest_right, rest)}
 
     @property
     def answered(self) -> Metrics | None:
@@ -48,6 +63,7 @@ class Evaluation:
                 "fallback": None if answered is None else {
                     "label": self.fallback_label, "rows": self.num_fallback, "answered": answered.num_items,
                     "answered_accuracy": answered.accuracy},
+                "truncated": self.truncation(),
                 **({} if self.target_accuracy is None else {"target": {
                     "accuracy": self.target_accuracy,
                     "floor": self.target_floor.to_dict() if self.target_floor is not None else None}})}
@@ -96,10 +112,14 @@ def evaluate_files(predictions, gold, id_column: str = "id", label_column: str =
     if not matched:
         raise InputError(f"no id of {str(predictions)!r} is in {str(gold)!r}; check --id-column")
     scored = []  # (gold, the answer, the model's own choice, that choice's probability)
+    cut = [0, 0, 0, 0]  # truncated rows, right among them, the rest, right among them
     for g, r in matched:
         if (answer := _optional_str(r.get("label"))) is not None:
             choice = _optional_str(r.get("model_label")) or answer
             scored.append((g, answer, choice, _probability(r.get(f"p_{choice}"))))
+            at = 0 if _flag(r.get("truncated")) else 2
+            cut[at] += 1
+            cut[at + 1] += answer == g
     columns = record_columns(predictions)
     metrics = Metrics.from_pairs([g for g, *_ in scored], [answer for _, answer, *_ in scored], task_labels(columns))
     rated = [(p, g == choice) for g, _, choice, p in scored if p is not None]
@@ -108,4 +128,10 @@ def evaluate_files(predictions, gold, id_column: str = "id", label_column: str =
     target = None if target_accuracy is None else floor_for_accuracy(confidences, correct, target_accuracy)
     return Evaluation(metrics, len(predicted), len(matched) - len(scored), len(golds) - len(matched),
                       sum(k not in golds for k in predicted), tuple(floor_points(confidences, correct)),
-                      "model_label" in columns, routed[0] if routed else None, len(routed), target_accuracy, target)
+                      "model_label" in columns, routed[0] if routed else None, len(routed), target_accuracy, target,
+                      tuple(cut) if "truncated" in columns else None)
+
+
+def _flag(value) -> bool:
+    """A truncated cell (a bool in JSONL and Parquet, true/false in CSV) as a bool."""
+    return value is True or (isinstance(value, str) and value.strip().lower() == "true")

@@ -118,6 +118,10 @@ def print_evaluation(console: Console, evaluation) -> None:
     table.add_row("errors (not scored)", str(evaluation.num_errors))
     table.add_row("gold rows without a prediction", str(evaluation.num_missing))
     table.add_row("predictions without a gold label", str(evaluation.num_without_gold))
+    cut = evaluation.truncation()
+    if cut is not None and cut["rows"]:
+        table.add_row("truncated rows", f"{cut['rows']}, {pct(cut['accuracy'])} right (the other "
+                                        f"{cut['rest_rows']}: {pct(cut['rest_accuracy'])})")
     answered = evaluation.answered
     if answered is not None:
         label = repr(evaluation.fallback_label) if evaluation.fallback_label else "the fallback label"
