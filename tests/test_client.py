@@ -164,7 +164,8 @@ def test_a_server_job_says_how_far_the_server_read_the_texts(tiny, tmp_path):
     with live_server(create_app({"default": cut})) as url:
         result = CliRunner().invoke(cli.app, ["classify", str(src), "--out", str(out), "--server", url])
     assert result.exit_code == 0, result.output
-    assert "4 text(s) were longer than --truncate-tokens 4" in " ".join(result.output.split())
+    text = " ".join(result.output.split())
+    assert "4 text(s) were longer than --truncate-tokens 4" in text and "(texts read up to 4 tokens)" in text
     assert all(json.loads(line)["truncated"] for line in out.read_text().splitlines())
 
 

@@ -66,9 +66,11 @@ def run_with_progress(console: Console, classifier, rows, label="classify"):
     return preds, time.perf_counter() - start
 
 
-def print_summary(console: Console, summary, classifier=None, calibration: dict | None = None) -> dict:
+def print_summary(console: Console, summary, classifier=None, calibration: dict | None = None,
+                  truncate_tokens: int | None = None) -> dict:
     """classify's summary: counts, speed, the prompt prefix, calibration, and metrics when gold labels
-    exist. Returns it as a record (for --summary-json)."""
+    exist. truncate_tokens: how far the task read each text (the local task's or the server's; None: whole texts).
+    Returns it as a record (for --summary-json)."""
     from slimroute.calibration import Offsets
 
     prompt = getattr(classifier, "prompt", None)  # a remote classifier has none
@@ -83,7 +85,7 @@ def print_summary(console: Console, summary, classifier=None, calibration: dict 
     table.add_row("seconds", f"{summary.seconds:.2f}")
     table.add_row("items/s", f"{summary.items_per_s:.2f}")
     table.add_row("row errors", str(summary.num_errors))
-    cut = getattr(getattr(prompt, "task", None), "truncate_tokens", None)
+    cut = truncate_tokens
     table.add_row("truncated", str(summary.num_truncated) + (f" (texts read up to {cut} tokens)" if cut else ""))
     if summary.padding_overhead is not None:
         table.add_row("padding overhead", pct(summary.padding_overhead))

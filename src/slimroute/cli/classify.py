@@ -142,10 +142,10 @@ def classify(
     stats = getattr(classifier, "stats", None)
     if stats is not None:
         summary.padding_overhead = stats.padding.overhead
+    cut = remote.task_info().get("truncate_tokens") if remote else the_task.truncate_tokens  # how far texts were read
     if summary.num_truncated:
-        cut = remote.task_info().get("truncate_tokens") if remote else the_task.truncate_tokens
         ui.console.print(truncation_note(summary.num_truncated, cut))
-    record = print_summary(ui.console, summary, classifier, output.record.calibration)
+    record = print_summary(ui.console, summary, classifier, output.record.calibration, cut)
     if summary_json:
         summary_json.write_text(json.dumps(record, indent=2))
     if job.errors:
