@@ -107,6 +107,15 @@ def test_truncate_tokens_cuts_long_texts_and_says_so(tmp_path, src, invoke):
     assert [json.loads(line)["truncated"] for line in whole.read_text().splitlines()] == [False] * 3 + [True, False]
 
 
+def test_many_multi_token_labels_get_a_note(tmp_path, src, invoke):
+    many = ",".join(f"refund case {k}" for k in range(8))  # several tokens each
+    result = invoke(src, "--labels", many, "--out", tmp_path / "many.jsonl")
+    assert result.exit_code == 0, result.output
+    assert "note: 8 of the 8 labels are several tokens long" in result.text and "slimroute tune" in result.text
+    result = invoke(src, "--labels", ",".join(f"refund case {k}" for k in range(7)), "--out", tmp_path / "few.jsonl")
+    assert result.exit_code == 0 and "several tokens long" not in result.text
+
+
 def test_errors_file_and_identical_reruns(tmp_path, src, invoke):
     """Failed rows go to --errors; output rows carry no timings, so a rerun is byte-identical."""
     first, errors = tmp_path / "first.jsonl", tmp_path / "errors.jsonl"
