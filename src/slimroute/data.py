@@ -335,6 +335,12 @@ def _csv_cell(value) -> object:
     return value
 
 
+def flag_cell(value) -> bool:
+    """A written boolean cell read back (an output's `truncated`): a bool in JSONL and Parquet, true/false in CSV
+    (as _csv_cell writes it)."""
+    return value is True or (isinstance(value, str) and value.strip().lower() == "true")
+
+
 def encode_records(fmt: str, records: list[dict], header: list[str] | None = None) -> str:
     """JSONL or CSV text of output records, exactly as PredictionWriter writes them (CSV: header first
     when given). Deterministic: floats are written as their shortest repr."""

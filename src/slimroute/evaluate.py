@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from slimroute.data import InputError, _optional_str, iter_records, record_columns
+from slimroute.data import InputError, _optional_str, flag_cell, iter_records, record_columns
 from slimroute.metrics import FloorPoint, Metrics, floor_for_accuracy, floor_points
 
 
@@ -117,7 +117,7 @@ def evaluate_files(predictions, gold, id_column: str = "id", label_column: str =
         if (answer := _optional_str(r.get("label"))) is not None:
             choice = _optional_str(r.get("model_label")) or answer
             scored.append((g, answer, choice, _probability(r.get(f"p_{choice}"))))
-            at = 0 if _flag(r.get("truncated")) else 2
+            at = 0 if flag_cell(r.get("truncated")) else 2
             cut[at] += 1
             cut[at + 1] += answer == g
     columns = record_columns(predictions)
@@ -130,8 +130,3 @@ def evaluate_files(predictions, gold, id_column: str = "id", label_column: str =
                       sum(k not in golds for k in predicted), tuple(floor_points(confidences, correct)),
                       "model_label" in columns, routed[0] if routed else None, len(routed), target_accuracy, target,
                       tuple(cut) if "truncated" in columns else None)
-
-
-def _flag(value) -> bool:
-    """A truncated cell (a bool in JSONL and Parquet, true/false in CSV) as a bool."""
-    return value is True or (isinstance(value, str) and value.strip().lower() == "true")

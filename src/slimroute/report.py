@@ -85,8 +85,8 @@ def print_summary(console: Console, summary, classifier=None, calibration: dict 
     table.add_row("seconds", f"{summary.seconds:.2f}")
     table.add_row("items/s", f"{summary.items_per_s:.2f}")
     table.add_row("row errors", str(summary.num_errors))
-    cut = truncate_tokens
-    table.add_row("truncated", str(summary.num_truncated) + (f" (texts read up to {cut} tokens)" if cut else ""))
+    read = f" (texts read up to {truncate_tokens} tokens)" if truncate_tokens else ""
+    table.add_row("truncated", str(summary.num_truncated) + read)
     if summary.padding_overhead is not None:
         table.add_row("padding overhead", pct(summary.padding_overhead))
     if prefix_tokens is not None:
@@ -110,7 +110,8 @@ def print_summary(console: Console, summary, classifier=None, calibration: dict 
     console.print(table)
     if metrics.num_items:
         print_metrics(console, metrics, per_label=False, fallback=fallback)
-    return {**summary.to_dict(), "prefix_tokens": prefix_tokens, "truncate_tokens": cut, "calibration": calibration}
+    return {**summary.to_dict(), "prefix_tokens": prefix_tokens, "truncate_tokens": truncate_tokens,
+            "calibration": calibration}
 
 
 def print_evaluation(console: Console, evaluation) -> None:

@@ -226,6 +226,12 @@ class Prompt:
             )
         self.max_text_tokens = min(room, self.task.truncate_tokens or room)
 
+    @property
+    def max_item_tokens(self) -> int:
+        """The most item tokens (the rest of the user turn, the text, the assistant-turn start) a text can take,
+        give or take a token where the text's tokens merge with the template's."""
+        return len(self._head_ids) + self.max_text_tokens + len(self._suffix_ids)
+
     def fit_text(self, text: str) -> tuple[str, bool]:
         """Keep the text's first tokens so the whole prompt fits the context and the text at most the task's
         truncate_tokens; (text, truncated)."""

@@ -219,16 +219,15 @@ class MicroBatcher:
                 self._num_queued += len(pending.texts)
 
     def _measure(self, pending: Pending) -> bool:
-        """Token counts of the request's texts (as far as the task reads them); refuse it (False) when one is over
+        """Token counts of the request's texts (as far as the engine reads them); refuse it (False) when one is over
         the limit, unless the task reads no text further than the limit (truncate_tokens)."""
         if pending.num_tokens is not None:
             return True
         engine = self.engines[pending.task]
         prompt = engine.prompt
         cut = prompt.task.truncate_tokens  # a task that reads each text's first tokens only
-        try:
-            texts = [prompt.fit_text(t)[0] for t in pending.texts] if cut else pending.texts  # what the engine reads
-            pending.num_tokens = [len(ids) for ids in prompt.item_ids_batch(texts)]
+        try:  # item tokens as far as the engine reads them (a budget: a cut text counts as one at the cap)
+            pending.num_tokens = [min(len(ids), prompt.max_item_tokens) for ids in prompt.item_ids_batch(pending.texts)]
             limit = self.settings.max_text_tokens
             if limit is not None and not (cut and cut <= limit):  # a text it reads no further than the limit: fine
                 text_ids = engine.tokenizer([t.strip() for t in pending.texts], add_special_tokens=False)
