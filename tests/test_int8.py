@@ -220,6 +220,26 @@ def test_invariant_attention_matches_eager_attention():
     assert torch.allclose(got, expected, atol=1e-5)
 
 
+def test_invariant_attention_with_segments_and_a_continuation_matches_eager_attention():
+    """Queries tiled afresh at a segment start and, from a label's continuation on, CONTINUATION_TILE at a time:
+    still ordinary attention, and the continuation's queries get the bits a pass of their own gives them."""
+    from transformers.models.qwen2.modeling_qwen2 import eager_attention_forward
+
+    from slimroute.attention import segments
+
+    batch, heads, queries, keys, dim = 2, 4, 70, 70, 16
+    q, k, v, allowed = causal_attention_inputs(batch, heads, queries, keys, dim)
+    module = type("Attn", (), {"num_key_value_groups": heads // k.shape[1], "training": False})()
+    mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
+    expected, _ = eager_attention_forward(module, q, k, v, mask, scaling=dim ** -0.5)
+    with segments(20, continuation=66):
+        got, _ = invariant_attention(module, q, k, v, allowed, scaling=dim ** -0.5)
+    assert got.shape == expected.shape and torch.allclose(got, expected, atol=1e-5)
+    with segments(continuation=0):  # the continuation alone, behind the rest as a cache
+        alone, _ = invariant_attention(module, q[:, :, 66:], k, v, allowed[:, :, 66:], scaling=dim ** -0.5)
+    assert torch.equal(alone, got[:, 66:])
+
+
 def test_invariant_attention_bits_do_not_depend_on_the_query_chunks(monkeypatch):
     """Long inputs run QUERY_TILES query tiles per pass: the same bits as one pass over every query."""
     import slimroute.attention as attention
@@ -260,6 +280,28 @@ def test_int8_truncate_tokens_gives_the_int8_references_bits(tiny_int8):
     ref = ReferenceClassifier(model, tok, task).classify(texts)
     fast = Engine(model, tok, task, EngineConfig(batch_size=7)).classify(texts)
     assert [p.truncated for p in fast] == [p.truncated for p in ref] and any(p.truncated for p in fast)
+    assert [p.logprobs for p in fast] == [p.logprobs for p in ref]  # bitwise
+
+
+@pytest.mark.parametrize("row_keys", [1, 10 ** 9], ids=["a-pass-a-label", "labels-share-a-pass"])
+def test_int8_continuation_passes_give_the_references_bits_however_labels_share_them(tiny_int8, monkeypatch,
+                                                                                     row_keys):
+    """Multi-token labels of different lengths (the shorter ones right-padded) share continuation passes up to
+    CONTINUATION_ROW_KEYS, or run one a pass: the int8 reference's bits either way."""
+    import slimroute.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "CONTINUATION_ROW_KEYS", row_keys)
+    model, tok = tiny_int8
+    rng = random.Random(7)
+    texts = [make_text(rng, rng.choice([1, 5, 40, 90])) for _ in range(12)]
+    task = Task(MULTI + ("Technical Support escalation for enterprise customers",))
+    engine = Engine(model, tok, task, EngineConfig(batch_size=5))
+    groups = engine._continuation_groups(5, 100)
+    lengths = [len(engine.label_ids[j]) for group in groups for j in group]
+    assert len(set(lengths)) > 1 and lengths == sorted(lengths)  # shortest first; some padded when shared
+    assert len(groups) == (len(lengths) if row_keys == 1 else 1)
+    ref = ReferenceClassifier(model, tok, task).classify(texts)
+    fast = engine.classify(texts)
     assert [p.logprobs for p in fast] == [p.logprobs for p in ref]  # bitwise
 
 

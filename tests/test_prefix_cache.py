@@ -1,4 +1,6 @@
+import pytest
 import torch
+from tiny import tiny_model
 
 from slimroute.config import EngineConfig
 from slimroute.engine import Engine
@@ -31,15 +33,38 @@ def test_expand_gives_batch_sized_independent_caches(tiny_qwen):
     assert not torch.equal(cache.layers[0].keys[:1], prefix.tensors()[0][0])
 
 
-def test_continue_cache_leaves_the_original_unchanged(tiny_qwen):
-    model, tok = tiny_qwen
+def _continue(model, cache, length: int, tokens: list[list[int]]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model.base_model(input_ids=torch.tensor(tokens), cache=cache, use_cache=True,
+                                position_ids=torch.full((len(tokens), 1), length)).last_hidden_state
+
+
+@pytest.mark.parametrize("sliding", [False, True], ids=["full", "sliding-window"])
+def test_continue_cache_repeats_the_rows_and_leaves_the_original_unchanged(sliding):
+    """A continuation pass over `repeats` copies of a batch's rows sees what a cache holding those copies shows
+    (with a sliding-window model's own layers too) and leaves the batch's cache as it was."""
+    from transformers import DynamicCache
+
+    model, tok = tiny_model("qwen2")
+    if sliding:  # the same model with sliding-window layers (a window longer than anything here)
+        from transformers import Qwen2ForCausalLM
+
+        config = model.config.to_dict() | {"use_sliding_window": True, "sliding_window": 512, "max_window_layers": 0,
+                                           "layer_types": None}
+        model = Qwen2ForCausalLM(type(model.config)(**config)).eval()
+        assert set(model.config.layer_types) == {"sliding_attention"}
     prefix = PrefixCache(model, Prompt(Task(("a", "b")), tok).prefix_ids)
     cache = prefix.expand(2)
-    extended = continue_cache(cache, model.config)
-    with torch.inference_mode():
-        model.base_model(input_ids=torch.tensor([[5], [6]]), cache=extended, use_cache=True,
-                         position_ids=torch.full((2, 1), prefix.length))
-    assert extended.get_seq_length() == prefix.length + 1 and cache.get_seq_length() == prefix.length
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    extended = continue_cache(cache, model.config, repeats=3)
+    tokens = [[5], [6], [7], [8], [9], [10]]  # copy j of row r: row 2 * j + r
+    got = _continue(model, extended, prefix.length, tokens)
+    data = [(k.repeat(3, 1, 1, 1), v.repeat(3, 1, 1, 1)) for k, v in before]
+    expected = _continue(model, DynamicCache(ddp_cache_data=data, config=model.config), prefix.length, tokens)
+    assert torch.equal(got, expected)
+    assert cache.get_seq_length() == prefix.length
+    assert all(torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+               for layer, (k, v) in zip(cache.layers, before, strict=True))
 
 
 def test_prefix_cache_matches_full_prompt(tiny_llama):

@@ -21,7 +21,11 @@ tile differently from a contiguous one), and a query sits in the same row of its
 (so a kernel that rounded a row by where it sits could not tell the paths apart either): query tiles start where
 the fast path's forward passes start, at the cached prefix's end and at a label's continuation. The one-at-a-time
 path, which runs prefix, item and continuation as one sequence, says where those are (`segments`), and its queries
-are tiled segment by segment, each segment from a fresh tile.
+are tiled segment by segment, each segment from a fresh tile. A label's continuation (the few tokens of a
+multi-token label fed behind the item, one pass per label for a whole batch) has its queries tiled
+CONTINUATION_TILE positions at a time in both paths: a 32-position tile would hold one real query of a two-token
+label and 31 of padding, 32 times the work of its few scores (on the packaged 0.5B model, with three two-token
+labels, the continuation passes were then over a quarter of the time, mostly attention tiles).
 The mask's share of this (the key order, the padded additive mask) is the same in every layer of a forward pass,
 so it is worked out once per mask and reused.
 About 4% of an item's FLOPs on a 0.5B model at ticket lengths.
@@ -39,49 +43,71 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "slimroute_invariant"
-TILE = 32
-QUERY_TILES = 4  # query tiles per pass (memory only: the bits do not depend on it)
-_SEGMENTS: ContextVar[tuple[int, ...]] = ContextVar("slimroute_attention_segments", default=())
+TILE = 32  # key positions per tile, and query positions per tile but in a label's continuation
+CONTINUATION_TILE = 1  # query positions per tile in a label's continuation
+QUERY_TILES = 4  # query tiles of TILE positions per pass (memory only: the bits do not depend on it)
+# (the positions where a new segment of queries starts, where a label's continuation starts or None)
+_SEGMENTS: ContextVar[tuple[tuple[int, ...], int | None]] = ContextVar("slimroute_attention_segments",
+                                                                     default=((), None))
 
 
 @contextmanager
-def segments(*starts: int):
+def segments(*starts: int, continuation: int | None = None):
     """While inside, a forward pass tiles its queries afresh at each of these positions (where the fast path starts
-    a forward pass: the prefix's length, the item's end), so every query sits in the row of its tile the fast path
-    puts it in. For the one-at-a-time path; the fast path's passes each start a segment by themselves."""
-    token = _SEGMENTS.set(tuple(sorted(set(starts))))
+    a forward pass: the prefix's length), and the queries from position `continuation` on (a label's tokens
+    behind the item) CONTINUATION_TILE at a time, so every query sits in the row of its tile the fast path puts it
+    in. For the one-at-a-time path; the fast path's passes each start a segment by themselves, and its
+    continuation passes say so with continuation=0 (every query of the pass)."""
+    token = _SEGMENTS.set((tuple(sorted(set(starts))), continuation))
     try:
         yield
     finally:
         _SEGMENTS.reset(token)
 
 
-def _tiles(x: torch.Tensor, length: int) -> torch.Tensor:
-    """(B, H, L, D) -> (B, H, n, TILE, D), zero-padded to n * TILE positions."""
+def _tiles(x: torch.Tensor, length: int, tile: int = TILE) -> torch.Tensor:
+    """(B, H, L, D) -> (B, H, n, tile, D), zero-padded to n * tile positions."""
     pad = length - x.shape[2]
     if pad:
         x = F.pad(x, (0, 0, 0, pad))
     b, h, _, d = x.shape
-    return x.reshape(b, h, length // TILE, TILE, d)
+    return x.reshape(b, h, length // tile, tile, d)
 
 
 def invariant_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """query (B, H, Lq, D); key, value (B, Hkv, Lk, D); attention_mask (B, 1, Lq, Lk), True where a query may
     attend (an additive float mask, 0 where allowed, works too). Returns ((B, Lq, H, D), None)."""
-    cuts = [start - (key.shape[2] - query.shape[2]) for start in _SEGMENTS.get()]  # the first query's position:
-    cuts = [cut for cut in cuts if 0 < cut < query.shape[2]]  # the keys before it (the cache)
+    starts, continuation = _SEGMENTS.get()
+    cache = key.shape[2] - query.shape[2]  # the keys before the first query
+    num_queries = query.shape[2]
+    cuts = [start - cache for start in starts if 0 < start - cache < num_queries]  # starts, as query indices
+    split = num_queries if continuation is None else min(max(continuation - cache, 0), num_queries)
+    if split == num_queries:
+        return _segmented_attention(query, key, value, attention_mask, scaling, cuts), None
+    if split == 0:  # a continuation pass
+        return _attention(query, key, value, attention_mask, scaling, CONTINUATION_TILE), None
+    # a sequence and a label's tokens behind it (the one-at-a-time path): each part tiled as its own
+    mask = _allowed(attention_mask, query.shape[0], num_queries, key.shape[2], query.device)
+    head = _segmented_attention(query[:, :, :split], key, value, mask[:, :, :split], scaling,
+                                [cut for cut in cuts if cut < split])
+    tail = _attention(query[:, :, split:], key, value, mask[:, :, split:], scaling, CONTINUATION_TILE)
+    return torch.cat([head, tail], dim=1), None
+
+
+def _segmented_attention(query, key, value, attention_mask, scaling, cuts: list[int]) -> torch.Tensor:
+    """_attention with the queries tiled TILE at a time, afresh at each of the query indices `cuts`."""
     if cuts:
         query, attention_mask, real = _segment_aligned(query, attention_mask, key.shape[2], cuts)
-        return _attention(query, key, value, attention_mask, scaling).index_select(1, real), None
-    return _attention(query, key, value, attention_mask, scaling), None
+        return _attention(query, key, value, attention_mask, scaling).index_select(1, real)
+    return _attention(query, key, value, attention_mask, scaling)
 
 
-def _attention(query, key, value, attention_mask, scaling) -> torch.Tensor:
-    """invariant_attention for queries tiled from the first: (B, Lq, H, D)."""
+def _attention(query, key, value, attention_mask, scaling, q_tile: int = TILE) -> torch.Tensor:
+    """invariant_attention for queries tiled from the first, q_tile positions a tile: (B, Lq, H, D)."""
     batch, heads, num_queries, head_dim = query.shape
     kv_heads, num_keys = key.shape[1], key.shape[2]
     groups = heads // kv_heads
-    order, bias, key_tiles = _mask_plan(attention_mask, batch, num_queries, num_keys, query.device)
+    order, bias, key_tiles = _mask_plan(attention_mask, batch, num_queries, num_keys, query.device, q_tile)
 
     # 1. visible keys first, in position order
     if order is not None:
@@ -90,18 +116,19 @@ def _attention(query, key, value, attention_mask, scaling) -> torch.Tensor:
 
     # 2. tiles: queries (B, Hkv, G, nq, T, D); keys and values (B, Hkv, nk, T, D). Long inputs run QUERY_TILES
     # query tiles at a time (rows are independent; this only bounds the scores' memory).
-    q_len, k_len = -(-num_queries // TILE) * TILE, -(-num_keys // TILE) * TILE
-    nq = q_len // TILE
-    q_tiles = _tiles(query, q_len).view(batch, kv_heads, groups, nq, TILE, head_dim)
+    q_len, k_len = -(-num_queries // q_tile) * q_tile, -(-num_keys // TILE) * TILE
+    nq = q_len // q_tile
+    q_tiles = _tiles(query, q_len, q_tile).view(batch, kv_heads, groups, nq, q_tile, head_dim)
     # the key tiles go in transposed and contiguous whatever the chunk (matmul copies a broadcast operand, so a
     # transposed view would reach MKL as a transposed operand for one query tile and as a contiguous one for more:
     # on AVX2 the two round differently)
     k_tiles, v_tiles = _tiles(key, k_len).transpose(-1, -2).contiguous(), _tiles(value, k_len)  # (B, Hkv, nk, D, T)
     chunks = []
-    for a in range(0, nq, QUERY_TILES):
-        nk = max(key_tiles[a:a + QUERY_TILES])  # key tiles behind the last one these queries see: skipped
-        chunks.append(_attend(q_tiles[:, :, :, a:a + QUERY_TILES], k_tiles[:, :, :nk], v_tiles[:, :, :nk],
-                              bias[:, :, a:a + QUERY_TILES, :, :, :nk * TILE], scaling))
+    step = QUERY_TILES * TILE // q_tile  # query tiles at a time
+    for a in range(0, nq, step):
+        nk = max(key_tiles[a:a + step])  # key tiles behind the last one these queries see: skipped
+        chunks.append(_attend(q_tiles[:, :, :, a:a + step], k_tiles[:, :, :nk], v_tiles[:, :, :nk],
+                              bias[:, :, a:a + step, :, :, :nk * TILE], scaling))
     out = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=2)  # (B, Hkv, nq, G, T, D)
     out = out.permute(0, 2, 4, 1, 3, 5).reshape(batch, q_len, heads, head_dim)  # head h = kv head h // G, as GQA
     return out[:, :num_queries].contiguous()
@@ -145,15 +172,15 @@ def _forget(ref) -> None:
         _plan = (None,)
 
 
-def _mask_plan(attention_mask, batch: int, num_queries: int, num_keys: int, device):
+def _mask_plan(attention_mask, batch: int, num_queries: int, num_keys: int, device, q_tile: int = TILE):
     """(order, bias, key_tiles) for a mask: order (B, 1, Lk) puts the keys no query of a row sees (a batch's
     padding) behind the visible ones, order kept (None when none is in front of a visible one); bias
-    (B, 1, nq, 1, T, Lk'), 0 where a query may attend and -inf elsewhere, in the keys' new order, padded to whole
-    tiles; key_tiles[a]: how many key tiles hold a key some query of query tile a sees (in any row; a causal
+    (B, 1, nq, 1, q_tile, Lk'), 0 where a query may attend and -inf elsewhere, in the keys' new order, padded to
+    whole tiles; key_tiles[a]: how many key tiles hold a key some query of query tile a sees (in any row; a causal
     mask's later tiles are all hidden from early queries: their softmax terms and products would be exact zeros)."""
     global _plan
     edits = 0 if attention_mask is None or attention_mask.is_inference() else attention_mask._version  # in place
-    shape = (batch, num_queries, num_keys, str(device), edits)
+    shape = (batch, num_queries, num_keys, str(device), edits, q_tile)
     cached, *rest = _plan
     if attention_mask is not None and cached is not None and cached() is attention_mask and rest[0] == shape:
         return rest[1]
@@ -163,39 +190,39 @@ def _mask_plan(attention_mask, batch: int, num_queries: int, num_keys: int, devi
     if bool((hidden[..., :-1] & ~hidden[..., 1:]).any()):  # a hidden key in front of a visible one
         order = torch.sort(hidden.to(torch.uint8), dim=-1, stable=True).indices  # (B, 1, Lk)
         allowed = allowed.gather(3, order[:, :, None, :].expand(batch, 1, num_queries, num_keys))
-    q_len, k_len = -(-num_queries // TILE) * TILE, -(-num_keys // TILE) * TILE
+    q_len, k_len = -(-num_queries // q_tile) * q_tile, -(-num_keys // TILE) * TILE
     mask = F.pad(allowed, (0, k_len - num_keys, 0, q_len - num_queries))  # (B, 1, Lq', Lk')
     mask[:, :, num_queries:, 0] = True  # padded queries may see key 0 (their rows are dropped, but stay finite)
     bias = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
-    seen = mask.any(dim=0)[0].view(q_len // TILE, TILE, k_len).any(dim=1)  # (nq, Lk'): a key some query sees
+    seen = mask.any(dim=0)[0].view(q_len // q_tile, q_tile, k_len).any(dim=1)  # (nq, Lk'): a key some query sees
     last_seen = (seen * torch.arange(1, k_len + 1, device=device)).amax(dim=1)  # 1 + the last such key's index
     key_tiles = (-(-last_seen // TILE)).clamp_(min=1).tolist()  # a tile of queries that see nothing: 1 (all -inf)
-    plan = order, bias.view(batch, 1, q_len // TILE, 1, TILE, k_len), key_tiles
+    plan = order, bias.view(batch, 1, q_len // q_tile, 1, q_tile, k_len), key_tiles
     if attention_mask is not None:
         _plan = (weakref.ref(attention_mask, _forget), shape, plan)
     return plan
 
 
 def _attend(q_tiles, k_tiles, v_tiles, bias, scaling) -> torch.Tensor:
-    """Queries (B, Hkv, G, c, T, D) against every key tile (B, Hkv, nk, D, T: transposed), bias (B, 1, c, 1, T, nk * T)
-    -> (B, Hkv, c, G, T, D)."""
-    batch, kv_heads, groups, c, _, head_dim = q_tiles.shape
+    """Queries (B, Hkv, G, c, Tq, D) against every key tile (B, Hkv, nk, D, T: transposed), bias
+    (B, 1, c, 1, Tq, nk * T) -> (B, Hkv, c, G, Tq, D)."""
+    batch, kv_heads, groups, c, q_tile, head_dim = q_tiles.shape
     nk = k_tiles.shape[2]
-    q = q_tiles.transpose(2, 3).reshape(batch, kv_heads, c, groups * TILE, head_dim)  # a tile: G heads x T positions
+    q = q_tiles.transpose(2, 3).reshape(batch, kv_heads, c, groups * q_tile, head_dim)  # G heads x Tq positions
     # scores tile by tile, one key tile at a time, straight into (query, key) order
-    scores = q.new_empty(batch, kv_heads, c, groups * TILE, nk, TILE)
+    scores = q.new_empty(batch, kv_heads, c, groups * q_tile, nk, TILE)
     for j in range(nk):
         scores[:, :, :, :, j] = _tile_scores(q, k_tiles[:, :, j, None])
     # 3. softmax over padded key rows (masked keys: -inf added, exact zeros after it)
-    scores = scores.view(batch, kv_heads, c, groups, TILE, nk * TILE).mul_(scaling).add_(bias)
-    probs = torch.softmax(scores, dim=-1).view(batch, kv_heads, c, groups * TILE, nk, TILE)
+    scores = scores.view(batch, kv_heads, c, groups, q_tile, nk * TILE).mul_(scaling).add_(bias)
+    probs = torch.softmax(scores, dim=-1).view(batch, kv_heads, c, groups * q_tile, nk, TILE)
     # 4. per-tile weighted sums, added in key order: out = p_0 @ v_0, then out += p_j @ v_j in the GEMM's epilogue
     # (baddbmm_: no product tensor; the same bits as adding it, 9% less time on captured real shapes)
-    out = q.new_empty(batch * kv_heads * c, groups * TILE, head_dim)
+    out = q.new_empty(batch * kv_heads * c, groups * q_tile, head_dim)
     for j in range(nk):
         v = v_tiles[:, :, j, None].expand(batch, kv_heads, c, TILE, head_dim).reshape(-1, TILE, head_dim)
-        _add_weighted_sum(out, probs[:, :, :, :, j].reshape(-1, groups * TILE, TILE), v, first=not j)
-    return out.view(batch, kv_heads, c, groups, TILE, head_dim)
+        _add_weighted_sum(out, probs[:, :, :, :, j].reshape(-1, groups * q_tile, TILE), v, first=not j)
+    return out.view(batch, kv_heads, c, groups, q_tile, head_dim)
 
 
 # The tiles' two GEMMs (a test swaps in GEMMs that round a row by where it sits, as MKL's AVX2 kernels do)

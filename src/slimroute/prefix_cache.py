@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 
 class PrefixCache:
@@ -29,7 +30,34 @@ class PrefixCache:
         return self._layers
 
 
-def continue_cache(cache: DynamicCache, config) -> DynamicCache:
-    """A cache that extends `cache` without modifying it (used for label continuation steps)."""
-    data = [(layer.keys, layer.values) for layer in cache.layers]
-    return DynamicCache(ddp_cache_data=data, config=config)
+def continue_cache(cache: DynamicCache, config, repeats: int = 1) -> DynamicCache:
+    """A cache that extends `cache` without modifying it, for one pass over label continuation steps: its batch is
+    `repeats` copies of cache's rows, one after another (a pass feeding several labels, one label to each copy).
+    Its layers hand attention the cached keys/values followed by the pass's new ones and keep nothing: the
+    continuation's keys are never read again."""
+    layers = list(cache.layers)
+    if not all(type(layer) is DynamicLayer for layer in layers):  # sliding windows...: what their own update does
+        data = [(layer.keys.repeat(repeats, 1, 1, 1), layer.values.repeat(repeats, 1, 1, 1)) for layer in layers]
+        return DynamicCache(ddp_cache_data=data, config=config)
+    extended = DynamicCache(config=config)
+    extended.layers = [_ExtendingLayer(layer.keys, layer.values, repeats) for layer in layers]
+    return extended
+
+
+class _ExtendingLayer(DynamicLayer):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, repeats: int):
+        super().__init__()
+        self.keys, self.values, self.repeats = keys, values, repeats
+        self.device, self.is_initialized = keys.device, True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return _extend(self.keys, key_states, self.repeats), _extend(self.values, value_states, self.repeats)
+
+
+def _extend(cached: torch.Tensor, new: torch.Tensor, repeats: int) -> torch.Tensor:
+    """cached (B, H, P, D) repeated to (repeats * B, ...), then new (repeats * B, H, L, D) behind it: one copy."""
+    batch, heads, length, dim = cached.shape
+    out = new.new_empty(repeats * batch, heads, length + new.shape[2], dim)
+    out[:, :, :length].view(repeats, batch, heads, length, dim).copy_(cached)
+    out[:, :, length:] = new
+    return out

@@ -54,7 +54,7 @@ class ReferenceClassifier:
     def _next_token_logprobs(self, ids: list[int], item_end: int) -> torch.Tensor:
         device = next(self.model.parameters()).device
         input_ids = torch.tensor([ids], device=device)
-        with segments(len(self.prompt.prefix_ids), item_end):  # where the fast path's passes start
+        with segments(len(self.prompt.prefix_ids), continuation=item_end):  # where the fast path's passes start
             logits = self.model(input_ids=input_ids, use_cache=False, logits_to_keep=1).logits  # (1, 1, V)
         return torch.log_softmax(logits[0, -1].float(), dim=-1)
 
