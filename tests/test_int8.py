@@ -286,8 +286,10 @@ def test_int8_truncate_tokens_gives_the_int8_references_bits(tiny_int8):
 @pytest.mark.parametrize("row_keys", [1, 10 ** 9], ids=["a-pass-a-label", "labels-share-a-pass"])
 def test_int8_continuation_passes_give_the_references_bits_however_labels_share_them(tiny_int8, monkeypatch,
                                                                                      row_keys):
-    """Multi-token labels of different lengths (the shorter ones right-padded) share continuation passes up to
-    CONTINUATION_ROW_KEYS, or run one a pass: the int8 reference's bits either way."""
+    """Multi-token labels' contexts are fed as runs of tokens (a context other labels extend is not fed again:
+    "Technical Support" inside "Technical Support escalation..."); runs of different lengths (the shorter ones
+    right-padded) share continuation passes up to CONTINUATION_ROW_KEYS, or run one a pass: the int8 reference's
+    bits either way."""
     import slimroute.engine as engine_module
 
     monkeypatch.setattr(engine_module, "CONTINUATION_ROW_KEYS", row_keys)
@@ -296,8 +298,9 @@ def test_int8_continuation_passes_give_the_references_bits_however_labels_share_
     texts = [make_text(rng, rng.choice([1, 5, 40, 90])) for _ in range(12)]
     task = Task(MULTI + ("Technical Support escalation for enterprise customers",))
     engine = Engine(model, tok, task, EngineConfig(batch_size=5))
+    assert len(engine._runs) < sum(len(ids) > 1 for ids in engine.label_ids)
     groups = engine._continuation_groups(5, 100)
-    lengths = [len(engine.label_ids[j]) for group in groups for j in group]
+    lengths = [len(engine._runs[r]) for group in groups for r in group]
     assert len(set(lengths)) > 1 and lengths == sorted(lengths)  # shortest first; some padded when shared
     assert len(groups) == (len(lengths) if row_keys == 1 else 1)
     ref = ReferenceClassifier(model, tok, task).classify(texts)

@@ -6,6 +6,7 @@ from slimroute.config import EngineConfig
 from slimroute.labels import (
     Fallback,
     Prediction,
+    continuation_runs,
     decide,
     greedy_choice,
     label_token_ids,
@@ -38,6 +39,15 @@ def test_decide_rejects_unknown_rule():
 
 def test_trie_paths():
     assert trie_paths([(1,), (2, 3), (2, 4, 5)]) == [(2,), (2, 4)]
+
+
+def test_continuation_runs_feed_each_context_once():
+    labels = [(1,), (2, 3), (2, 4, 5), (6, 7, 8), (6, 7, 9, 1), (6, 3)]
+    runs, where = continuation_runs(labels)
+    assert runs == [(2, 4), (6, 7, 9)]  # (2,), (6,) and (6, 7) lie inside them
+    assert set(where) == set(trie_paths(labels))
+    assert all(runs[r][:k + 1] == context for context, (r, k) in where.items())
+    assert continuation_runs([(1,), (2,)]) == ([], {})
 
 
 def test_label_ids_follow_the_assistant_start(tiny):

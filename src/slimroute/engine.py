@@ -28,7 +28,14 @@ from slimroute.calibration import check_head
 from slimroute.config import EngineConfig
 from slimroute.head import head_features, item_states, label_totals
 from slimroute.kernels import return_freed_memory, warm_up_vector_math
-from slimroute.labels import Prediction, apply_offsets, decision_margin, make_prediction
+from slimroute.labels import (
+    Prediction,
+    apply_offsets,
+    continuation_runs,
+    decision_margin,
+    make_prediction,
+    trie_paths,
+)
 from slimroute.prefix_cache import PrefixCache, continue_cache
 from slimroute.scoring import LabelScorer
 from slimroute.task import Prompt, Task
@@ -82,6 +89,11 @@ class Engine:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.device = next(model.parameters()).device
         tokens = [tok for ids in self.label_ids for tok in ids]
+        # the multi-token labels' contexts (each fed once, however many labels share it) and the runs that feed them
+        contexts = trie_paths(self.label_ids)
+        self._runs, where = continuation_runs(self.label_ids)
+        self._context_states = [where[context] for context in contexts]  # (run, position) of each context's state
+        self._context_index = {context: i for i, context in enumerate(contexts)}
         self.scorer = LabelScorer(model.get_output_embeddings(), tokens)
         warm_up_vector_math()  # a model built without load_model: its first pass must round like every later one
         self.prefix = PrefixCache(model, self.prompt.prefix_ids) if self.config.prefix_cache else None
@@ -280,56 +292,49 @@ class Engine:
 
     def _label_rows(self, last, cache, mask, ends) -> torch.Tensor:
         """The hidden states whose next-token log-probs score the labels: the items' last ones (B, H), then, for
-        each multi-token label in turn, those after feeding its tokens but the last (B * (n - 1), H)."""
+        each context of a multi-token label (a proper prefix of its tokens; labels.trie_paths) in turn, those after
+        feeding it behind each item (B, H) each."""
         states: dict[int, torch.Tensor] = {}
         for group in self._continuation_groups(last.shape[0], mask.shape[1]):
-            states.update(zip(group, self._continuation(cache, mask, ends, [self.label_ids[j] for j in group]),
+            states.update(zip(group, self._continuation(cache, mask, ends, [self._runs[r] for r in group]),
                               strict=True))
         if not states:
             return last
-        return torch.cat([last, *(states[j].reshape(-1, last.shape[-1]) for j in sorted(states))])
+        return torch.cat([last, *(states[run][:, k] for run, k in self._context_states)])
 
     def _continuation_groups(self, batch: int, keys: int) -> list[list[int]]:
-        """The multi-token labels (indices), shortest first, in groups that share a continuation pass: as many as
+        """The continuation runs (indices into _runs, shortest first) in groups that share a pass: as many as
         keep the pass's rows times keys within CONTINUATION_ROW_KEYS (at least one)."""
-        lengths = [len(ids) for ids in self.label_ids]
-        multi = sorted((j for j, n in enumerate(lengths) if n > 1), key=lengths.__getitem__)
         groups: list[list[int]] = []
-        for j in multi:
-            size = (len(groups[-1]) + 1) * batch * (keys + lengths[j]) if groups else None
+        for r, run in enumerate(self._runs):
+            size = (len(groups[-1]) + 1) * batch * (keys + len(run)) if groups else None
             if size is None or size > CONTINUATION_ROW_KEYS:
-                groups.append([j])
+                groups.append([r])
             else:
-                groups[-1].append(j)
+                groups[-1].append(r)
         return groups
 
     def _split_label_logprobs(self, lps: torch.Tensor, batch: int) -> list[list[list[float]]]:
         """_label_rows' log-probs (N, K) -> token_logprobs[row][label][k]."""
-        col = self.scorer.column
-        first = lps[:batch]
-        scores = [[[float(first[row, col[ids[0]]])] for ids in self.label_ids] for row in range(batch)]
-        start = batch
-        for j, ids in enumerate(self.label_ids):
-            if len(ids) > 1:
-                steps = len(ids) - 1
-                cont = lps[start:start + batch * steps].reshape(batch, steps, -1)  # (B, n-1, K)
-                start += batch * steps
-                for row in range(batch):
-                    scores[row][j].extend(float(cont[row, k, col[tok]]) for k, tok in enumerate(ids[1:]))
-        return scores
+        col, context = self.scorer.column, self._context_index
+        values = lps.tolist()
+        return [[[values[row][col[ids[0]]]]
+                 + [values[batch * (1 + context[ids[:k]]) + row][col[ids[k]]] for k in range(1, len(ids))]
+                 for ids in self.label_ids]
+                for row in range(batch)]
 
-    def _continuation(self, cache, mask, ends, labels: list[tuple[int, ...]]) -> list[torch.Tensor]:
-        """For each label's ids, the final hidden states (B, n-1, H) after feeding ids[:-1] behind each item, in
-        one pass: each label gets its own copy of the batch's rows (right-padded to the longest label), so each
-        row sees what the label's own pass would show it (its keys in the same order, its queries in the same
+    def _continuation(self, cache, mask, ends, runs: list[tuple[int, ...]]) -> list[torch.Tensor]:
+        """For each run of tokens, the final hidden states (B, n, H) after each of its tokens, fed behind each item,
+        in one pass: each run gets its own copy of the batch's rows (right-padded to the longest run), so each
+        row sees what the run's own pass would show it (its keys in the same order, its queries in the same
         tiles: attention.segments). The batch cache is left unchanged."""
-        batch, copies = mask.shape[0], len(labels)
-        steps = max(len(ids) for ids in labels) - 1
+        batch, copies = mask.shape[0], len(runs)
+        steps = max(len(run) for run in runs)
         tokens = torch.full((copies, batch, steps), self.pad_id, device=self.device)
         fed = torch.zeros(copies, batch, steps, dtype=mask.dtype, device=self.device)
-        for j, ids in enumerate(labels):
-            tokens[j, :, :len(ids) - 1] = torch.tensor(ids[:-1], device=self.device)
-            fed[j, :, :len(ids) - 1] = 1
+        for j, run in enumerate(runs):
+            tokens[j, :, :len(run)] = torch.tensor(run, device=self.device)
+            fed[j, :, :len(run)] = 1
         positions = (ends[:, None] + torch.arange(steps, device=self.device)).repeat(copies, 1)  # (C * B, steps)
         mask = torch.cat([mask.repeat(copies, 1), fed.view(copies * batch, steps)], dim=1)
         with segments(continuation=0):  # every query of this pass continues a label (attention.segments)
@@ -338,7 +343,7 @@ class Engine:
                 cache=continue_cache(cache, self.model.config, copies), use_cache=True,
             )
         hidden = out.last_hidden_state.view(copies, batch, steps, -1)
-        return [hidden[j, :, :len(ids) - 1] for j, ids in enumerate(labels)]
+        return [hidden[j, :, :len(run)] for j, run in enumerate(runs)]
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -94,6 +94,21 @@ def trie_paths(label_ids: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
     return sorted(paths, key=lambda p: (len(p), p))
 
 
+def continuation_runs(label_ids: list[tuple[int, ...]]) -> tuple[list[tuple[int, ...]], dict[tuple[int, ...],
+                                                                                          tuple[int, int]]]:
+    """What to feed behind an item so that every context of trie_paths gets its hidden state once: the contexts
+    no other one extends (shortest first), and for each context the run and the position in it whose state
+    follows the context's last token. ("Technical Support" and "Technical Sales" share the run's first state.)"""
+    contexts = trie_paths(label_ids)
+    extended = {context[:k] for context in contexts for k in range(1, len(context))}
+    runs = [context for context in contexts if context not in extended]
+    where: dict[tuple[int, ...], tuple[int, int]] = {}
+    for i, run in enumerate(runs):
+        for k in range(1, len(run) + 1):
+            where.setdefault(run[:k], (i, k - 1))
+    return runs, where
+
+
 class Prediction:
     """One item's answer: the chosen label and each label's exact log-probability.
 
