@@ -22,7 +22,7 @@ tile differently from a contiguous one), and a query sits in the same row of its
 the fast path's forward passes start, at the cached prefix's end and at a label's continuation. The one-at-a-time
 path, which runs prefix, item and continuation as one sequence, says where those are (`segments`), and its queries
 are tiled segment by segment, each segment from a fresh tile. A label's continuation (the few tokens of a
-multi-token label fed behind the item, one pass per label for a whole batch) has its queries tiled
+multi-token label fed behind the item, in a pass of their own for a whole batch) has its queries tiled
 CONTINUATION_TILE positions at a time in both paths: a 32-position tile would hold one real query of a two-token
 label and 31 of padding, 32 times the work of its few scores (on the packaged 0.5B model, with three two-token
 labels, the continuation passes were then over a quarter of the time, mostly attention tiles).
