@@ -152,7 +152,10 @@ def reference(tmp_path_factory, model_dir, src):
 # The CLI, with one change: after committing window PAUSE_AFTER it sleeps (a minute at most), so a job
 # the test means to interrupt cannot finish first, however late a loaded machine schedules the test.
 PACED_CLI = """
-import os, sys, time
+import os, signal, sys, time
+# Ctrl-C as in a terminal: a test run started in the background (`&`, nohup) has SIGINT ignored, which the job
+# inherits and Python keeps; it then saw a Ctrl-C only inside a commit (interrupts_deferred): the test failed at times
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from slimroute import cli, output
 pause_after, commit = int(os.environ["PAUSE_AFTER"]), output.DurableOutput.commit
 def paced(self, *args):
@@ -168,11 +171,7 @@ sys.exit(cli.main())
 def start_cli(args, log, pause_after: int) -> subprocess.Popen:
     env = {**os.environ, "COLUMNS": "1000", "PAUSE_AFTER": str(pause_after)}
     command = [sys.executable, "-c", PACED_CLI, *args]
-    # Ctrl-C at its default, as a terminal's shell starts a command: a test run started in the background (a CI
-    # script run with `&`, nohup) has SIGINT ignored, which its children inherit and Python keeps; the job then saw
-    # a Ctrl-C only when it landed inside a commit (interrupts_deferred), and the test failed now and then
-    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
 def committed_windows(out) -> int:
