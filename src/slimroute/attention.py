@@ -78,14 +78,17 @@ def invariant_attention(module, query, key, value, attention_mask, scaling, drop
     """query (B, H, Lq, D); key, value (B, Hkv, Lk, D); attention_mask (B, 1, Lq, Lk), True where a query may
     attend (an additive float mask, 0 where allowed, works too). Returns ((B, Lq, H, D), None)."""
     starts, continuation = _SEGMENTS.get()
-    cache = key.shape[2] - query.shape[2]  # the keys before the first query
+    cached: CachedKeys | None = getattr(key, CachedKeys.MARK, None)  # a continuation pass's new keys only
+    cache = key.shape[2] + (cached.length if cached else 0) - query.shape[2]  # the keys before the first query
     num_queries = query.shape[2]
     cuts = [start - cache for start in starts if 0 < start - cache < num_queries]  # starts, as query indices
     split = num_queries if continuation is None else min(max(continuation - cache, 0), num_queries)
-    if split == num_queries:
-        return _segmented_attention(query, key, value, attention_mask, scaling, cuts), None
     if split == 0:  # a continuation pass
         return _attention(query, key, value, attention_mask, scaling, CONTINUATION_TILE), None
+    if cached:
+        key, value = cached.extended(key), cached.extended(value, values=True)
+    if split == num_queries:
+        return _segmented_attention(query, key, value, attention_mask, scaling, cuts), None
     # a sequence and a label's tokens behind it (the one-at-a-time path): each part tiled as its own
     mask = _allowed(attention_mask, query.shape[0], num_queries, key.shape[2], query.device)
     head = _segmented_attention(query[:, :, :split], key, value, mask[:, :, :split], scaling,
@@ -103,35 +106,121 @@ def _segmented_attention(query, key, value, attention_mask, scaling, cuts: list[
 
 
 def _attention(query, key, value, attention_mask, scaling, q_tile: int = TILE) -> torch.Tensor:
-    """invariant_attention for queries tiled from the first, q_tile positions a tile: (B, Lq, H, D)."""
+    """invariant_attention for queries tiled from the first, q_tile positions a tile: (B, Lq, H, D). key and value
+    may be a continuation pass's new ones only, marked with the batch's cached ones (CachedKeys)."""
     batch, heads, num_queries, head_dim = query.shape
-    kv_heads, num_keys = key.shape[1], key.shape[2]
+    cached: CachedKeys | None = getattr(key, CachedKeys.MARK, None)
+    kv_heads, num_keys = key.shape[1], key.shape[2] + (cached.length if cached else 0)
     groups = heads // kv_heads
-    order, bias, key_tiles = _mask_plan(attention_mask, batch, num_queries, num_keys, query.device, q_tile)
-
-    # 1. visible keys first, in position order
-    if order is not None:
-        gather = order[..., None].expand(batch, kv_heads, num_keys, head_dim)
-        key, value = key.gather(2, gather), value.gather(2, gather)
+    plan = _mask_plan(attention_mask, batch, num_queries, num_keys, query.device, q_tile)
+    q_len, k_len = -(-num_queries // q_tile) * q_tile, -(-num_keys // TILE) * TILE
+    tiles = cached.tiles(key, value, plan, k_len) if cached else None
+    if tiles is None:
+        if cached:  # its layout is not one CachedKeys handles: the keys in full
+            key, value = cached.extended(key), cached.extended(value, values=True)
+        tiles = _tiled(key, value, plan.order, k_len)
 
     # 2. tiles: queries (B, Hkv, G, nq, T, D); keys and values (B, Hkv, nk, T, D). Long inputs run QUERY_TILES
     # query tiles at a time (rows are independent; this only bounds the scores' memory).
-    q_len, k_len = -(-num_queries // q_tile) * q_tile, -(-num_keys // TILE) * TILE
     nq = q_len // q_tile
     q_tiles = _tiles(query, q_len, q_tile).view(batch, kv_heads, groups, nq, q_tile, head_dim)
-    # the key tiles go in transposed and contiguous whatever the chunk (matmul copies a broadcast operand, so a
-    # transposed view would reach MKL as a transposed operand for one query tile and as a contiguous one for more:
-    # on AVX2 the two round differently)
-    k_tiles, v_tiles = _tiles(key, k_len).transpose(-1, -2).contiguous(), _tiles(value, k_len)  # (B, Hkv, nk, D, T)
     chunks = []
     step = QUERY_TILES * TILE // q_tile  # query tiles at a time
     for a in range(0, nq, step):
-        nk = max(key_tiles[a:a + step])  # key tiles behind the last one these queries see: skipped
-        chunks.append(_attend(q_tiles[:, :, :, a:a + step], k_tiles[:, :, :nk], v_tiles[:, :, :nk],
-                              bias[:, :, a:a + step, :, :, :nk * TILE], scaling))
+        nk = max(plan.key_tiles[a:a + step])  # key tiles behind the last one these queries see: skipped
+        chunks.append(_attend(q_tiles[:, :, :, a:a + step], tiles, nk,
+                              plan.bias[:, :, a:a + step, :, :, :nk * TILE], scaling))
     out = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=2)  # (B, Hkv, nq, G, T, D)
     out = out.permute(0, 2, 4, 1, 3, 5).reshape(batch, q_len, heads, head_dim)  # head h = kv head h // G, as GQA
     return out[:, :num_queries].contiguous()
+
+
+class _Tiles:
+    """Key tile j (B, Hkv, D, T: transposed) and value tile j (B, Hkv, T, D) of a pass's keys in attention order."""
+
+    def __init__(self, k_tiles: torch.Tensor, v_tiles: torch.Tensor):
+        self.k_tiles, self.v_tiles = k_tiles, v_tiles  # (B, Hkv, nk, D, T), (B, Hkv, nk, T, D)
+
+    def key(self, j: int) -> torch.Tensor:
+        return self.k_tiles[:, :, j]
+
+    def value(self, j: int) -> torch.Tensor:
+        return self.v_tiles[:, :, j]
+
+
+def _tiled(key, value, order, k_len: int) -> _Tiles:
+    """1. visible keys first, in position order (order: None when they are), cut into tiles. The key tiles go in
+    transposed and contiguous whatever the chunk (matmul copies a broadcast operand, so a transposed view would
+    reach MKL as a transposed operand for one query tile and as a contiguous one for more: on AVX2 the two round
+    differently)."""
+    if order is not None:
+        batch, kv_heads, num_keys, head_dim = key.shape
+        gather = order[..., None].expand(batch, kv_heads, num_keys, head_dim)
+        key, value = key.gather(2, gather), value.gather(2, gather)
+    return _Tiles(_tiles(key, k_len).transpose(-1, -2).contiguous(), _tiles(value, k_len))
+
+
+class CachedKeys:
+    """A batch's cached keys and values (B, Hkv, P, D) as every continuation pass over the batch reads them: cut
+    into attention's tiles once (keys transposed), instead of copied behind each pass's rows (a pass of C copies
+    of the batch, C * B rows, its keys the cache's then its own) and put in attention order and tiles again in
+    every layer of every pass (on BANKING77's 77 labels, with a 394-token prefix, those copies were a quarter of
+    the time). A pass's layer hands attention its new keys only, marked with this (MARK); a key tile that holds
+    no visible new key is the cached tile itself, and one that does is a copy of it with the new keys written in
+    where attention order puts them (right behind the row's visible cached keys). Same tiles, same bits."""
+
+    MARK = "slimroute_cached"
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        self.keys, self.values = keys, values
+        self.length = keys.shape[2]
+        self._tiles: _Tiles | None = None
+
+    def mark(self, new_keys: torch.Tensor) -> torch.Tensor:
+        setattr(new_keys, self.MARK, self)
+        return new_keys
+
+    def extended(self, new: torch.Tensor, values: bool = False) -> torch.Tensor:
+        """The cached keys (or values) repeated for each copy of the batch in new's rows, then new behind them."""
+        cached = self.values if values else self.keys
+        return torch.cat([cached.repeat(new.shape[0] // cached.shape[0], 1, 1, 1), new], dim=2)
+
+    def tiles(self, new_keys, new_values, plan: _Plan, k_len: int) -> _Tiles | _PatchedTiles | None:
+        """The pass's key and value tiles, or None when its attention order moves a visible cached key (the cached
+        keys of a row are not all in front of the others: only right-padded batches are handled)."""
+        patches = plan.continuation_patches(self.length)
+        if patches is None:
+            return None
+        if self._tiles is None or self._tiles.k_tiles.shape[2] * TILE < k_len:
+            self._tiles = _tiled(self.keys, self.values, None, k_len + TILE)  # a longer run may come
+        return _PatchedTiles(self._tiles, new_keys, new_values, patches)
+
+
+class _PatchedTiles:
+    """The cached tiles for each copy of the batch, with a pass's new keys written into the tiles that hold them."""
+
+    def __init__(self, cached: _Tiles, new_keys: torch.Tensor, new_values: torch.Tensor, patches: dict):
+        self.cached, self.new_keys, self.new_values, self.patches = cached, new_keys, new_values, patches
+        self.copies = new_keys.shape[0] // cached.k_tiles.shape[0]
+
+    def _rows(self, tile: torch.Tensor) -> torch.Tensor:
+        return tile if self.copies == 1 else tile.repeat(self.copies, 1, 1, 1)
+
+    def key(self, j: int) -> torch.Tensor:
+        if j not in self.patches:
+            return self._rows(self.cached.key(j))
+        rows, at, new = self.patches[j]
+        tile = self.cached.key(j).repeat(self.copies, 1, 1, 1)  # (C * B, Hkv, D, T)
+        tile[rows, :, :, at] = self.new_keys[rows, :, new, :]
+        return tile
+
+    def value(self, j: int) -> torch.Tensor:
+        if j not in self.patches:
+            return self._rows(self.cached.value(j))
+        rows, at, new = self.patches[j]
+        tile = self.cached.value(j).repeat(self.copies, 1, 1, 1)  # (C * B, Hkv, T, D)
+        tile[rows, :, at, :] = self.new_values[rows, :, new, :]
+        return tile
 
 
 def _allowed(attention_mask, batch: int, num_queries: int, num_keys: int, device) -> torch.Tensor:
@@ -162,6 +251,34 @@ def _segment_aligned(query, attention_mask, num_keys: int, cuts: list[int]):
     return torch.cat(queries, dim=2), torch.cat(masks, dim=2), torch.cat(real)
 
 
+class _Plan:
+    """What attention needs of a mask, the same in every layer of a forward pass (_mask_plan)."""
+
+    def __init__(self, order, bias, key_tiles: list[int], visible: torch.Tensor):
+        self.order, self.bias, self.key_tiles = order, bias, key_tiles
+        self.visible = visible  # (B,): how many keys some query of the row sees (they come first in attention order)
+        self._patches: dict[int, dict | None] = {}
+
+    def continuation_patches(self, cached: int) -> dict | None:
+        """For keys that are `cached` cached ones then a pass's own: {key tile j: (rows, places in the tile, new
+        key indices)} of the new keys some query sees, in attention order; None when a visible cached key does
+        not keep its own index there."""
+        if cached not in self._patches:
+            batch = self.visible.shape[0]
+            num_keys = self.bias.shape[-1]  # padded to whole tiles; attention order's real keys come first
+            index = torch.arange(num_keys, device=self.visible.device).expand(batch, num_keys)
+            source = index if self.order is None else F.pad(self.order[:, 0], (0, num_keys - self.order.shape[-1]))
+            visible = index < self.visible[:, None]
+            moved = visible & (source < cached) & (source != index)
+            patches = None
+            if not bool(moved.any()):
+                rows, at = (visible & (source >= cached)).nonzero(as_tuple=True)
+                new, tile = source[rows, at] - cached, at // TILE
+                patches = {j: (rows[tile == j], at[tile == j] % TILE, new[tile == j]) for j in tile.unique().tolist()}
+            self._patches[cached] = patches
+        return self._patches[cached]
+
+
 _plan: tuple = (None,)  # (weakref to a mask, shape, plan): the last mask's plan; a forward pass hands every layer
 # the same mask object. The plan goes when its mask does (the bias is a float per query and key of the batch).
 
@@ -172,12 +289,13 @@ def _forget(ref) -> None:
         _plan = (None,)
 
 
-def _mask_plan(attention_mask, batch: int, num_queries: int, num_keys: int, device, q_tile: int = TILE):
-    """(order, bias, key_tiles) for a mask: order (B, 1, Lk) puts the keys no query of a row sees (a batch's
-    padding) behind the visible ones, order kept (None when none is in front of a visible one); bias
-    (B, 1, nq, 1, q_tile, Lk'), 0 where a query may attend and -inf elsewhere, in the keys' new order, padded to
-    whole tiles; key_tiles[a]: how many key tiles hold a key some query of query tile a sees (in any row; a causal
-    mask's later tiles are all hidden from early queries: their softmax terms and products would be exact zeros)."""
+def _mask_plan(attention_mask, batch: int, num_queries: int, num_keys: int, device, q_tile: int = TILE) -> _Plan:
+    """The plan of a mask: order (B, 1, Lk) puts the keys no query of a row sees (a batch's padding) behind the
+    visible ones, order kept (None when none is in front of a visible one); bias (B, 1, nq, 1, q_tile, Lk'), 0
+    where a query may attend and -inf elsewhere, in the keys' new order, padded to whole tiles; key_tiles[a]: how
+    many key tiles hold a key some query of query tile a sees (in any row; a causal mask's later tiles are all
+    hidden from early queries: their softmax terms and products would be exact zeros); visible (B,): how many
+    keys a row's queries see."""
     global _plan
     edits = 0 if attention_mask is None or attention_mask.is_inference() else attention_mask._version  # in place
     shape = (batch, num_queries, num_keys, str(device), edits, q_tile)
@@ -197,22 +315,22 @@ def _mask_plan(attention_mask, batch: int, num_queries: int, num_keys: int, devi
     seen = mask.any(dim=0)[0].view(q_len // q_tile, q_tile, k_len).any(dim=1)  # (nq, Lk'): a key some query sees
     last_seen = (seen * torch.arange(1, k_len + 1, device=device)).amax(dim=1)  # 1 + the last such key's index
     key_tiles = (-(-last_seen // TILE)).clamp_(min=1).tolist()  # a tile of queries that see nothing: 1 (all -inf)
-    plan = order, bias.view(batch, 1, q_len // q_tile, 1, q_tile, k_len), key_tiles
+    plan = _Plan(order, bias.view(batch, 1, q_len // q_tile, 1, q_tile, k_len), key_tiles,
+                 (~hidden[:, 0]).sum(dim=-1))
     if attention_mask is not None:
         _plan = (weakref.ref(attention_mask, _forget), shape, plan)
     return plan
 
 
-def _attend(q_tiles, k_tiles, v_tiles, bias, scaling) -> torch.Tensor:
-    """Queries (B, Hkv, G, c, Tq, D) against every key tile (B, Hkv, nk, D, T: transposed), bias
-    (B, 1, c, 1, Tq, nk * T) -> (B, Hkv, c, G, Tq, D)."""
+def _attend(q_tiles, tiles, nk: int, bias, scaling) -> torch.Tensor:
+    """Queries (B, Hkv, G, c, Tq, D) against the first nk key tiles (tiles.key(j): (B, Hkv, D, T), transposed;
+    tiles.value(j): (B, Hkv, T, D)), bias (B, 1, c, 1, Tq, nk * T) -> (B, Hkv, c, G, Tq, D)."""
     batch, kv_heads, groups, c, q_tile, head_dim = q_tiles.shape
-    nk = k_tiles.shape[2]
     q = q_tiles.transpose(2, 3).reshape(batch, kv_heads, c, groups * q_tile, head_dim)  # G heads x Tq positions
     # scores tile by tile, one key tile at a time, straight into (query, key) order
     scores = q.new_empty(batch, kv_heads, c, groups * q_tile, nk, TILE)
     for j in range(nk):
-        scores[:, :, :, :, j] = _tile_scores(q, k_tiles[:, :, j, None])
+        scores[:, :, :, :, j] = _tile_scores(q, tiles.key(j)[:, :, None])
     # 3. softmax over padded key rows (masked keys: -inf added, exact zeros after it)
     scores = scores.view(batch, kv_heads, c, groups, q_tile, nk * TILE).mul_(scaling).add_(bias)
     probs = torch.softmax(scores, dim=-1).view(batch, kv_heads, c, groups * q_tile, nk, TILE)
@@ -220,7 +338,7 @@ def _attend(q_tiles, k_tiles, v_tiles, bias, scaling) -> torch.Tensor:
     # (baddbmm_: no product tensor; the same bits as adding it, 9% less time on captured real shapes)
     out = q.new_empty(batch * kv_heads * c, groups * q_tile, head_dim)
     for j in range(nk):
-        v = v_tiles[:, :, j, None].expand(batch, kv_heads, c, TILE, head_dim).reshape(-1, TILE, head_dim)
+        v = tiles.value(j)[:, :, None].expand(batch, kv_heads, c, TILE, head_dim).reshape(-1, TILE, head_dim)
         _add_weighted_sum(out, probs[:, :, :, :, j].reshape(-1, groups * q_tile, TILE), v, first=not j)
     return out.view(batch, kv_heads, c, groups, q_tile, head_dim)
 

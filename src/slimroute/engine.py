@@ -295,8 +295,9 @@ class Engine:
         each context of a multi-token label (a proper prefix of its tokens; labels.trie_paths) in turn, those after
         feeding it behind each item (B, H) each."""
         states: dict[int, torch.Tensor] = {}
+        shared: list = []  # the batch cache as every continuation pass reads it (prefix_cache.continue_cache)
         for group in self._continuation_groups(last.shape[0], mask.shape[1]):
-            states.update(zip(group, self._continuation(cache, mask, ends, [self._runs[r] for r in group]),
+            states.update(zip(group, self._continuation(cache, mask, ends, [self._runs[r] for r in group], shared),
                               strict=True))
         if not states:
             return last
@@ -323,7 +324,8 @@ class Engine:
                  for ids in self.label_ids]
                 for row in range(batch)]
 
-    def _continuation(self, cache, mask, ends, runs: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    def _continuation(self, cache, mask, ends, runs: list[tuple[int, ...]], shared: list | None = None
+                      ) -> list[torch.Tensor]:
         """For each run of tokens, the final hidden states (B, n, H) after each of its tokens, fed behind each item,
         in one pass: each run gets its own copy of the batch's rows (right-padded to the longest run), so each
         row sees what the run's own pass would show it (its keys in the same order, its queries in the same
@@ -340,7 +342,7 @@ class Engine:
         with segments(continuation=0):  # every query of this pass continues a label (attention.segments)
             out = self.model.base_model(
                 input_ids=tokens.view(copies * batch, steps), attention_mask=mask, position_ids=positions,
-                cache=continue_cache(cache, self.model.config, copies), use_cache=True,
+                cache=continue_cache(cache, self.model.config, copies, shared), use_cache=True,
             )
         hidden = out.last_hidden_state.view(copies, batch, steps, -1)
         return [hidden[j, :, :len(run)] for j, run in enumerate(runs)]

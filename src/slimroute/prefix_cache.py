@@ -6,6 +6,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from slimroute import attention
+
 
 class PrefixCache:
     def __init__(self, model, prefix_ids: list[int]):
@@ -30,27 +32,39 @@ class PrefixCache:
         return self._layers
 
 
-def continue_cache(cache: DynamicCache, config, repeats: int = 1) -> DynamicCache:
+def continue_cache(cache: DynamicCache, config, repeats: int = 1, shared: list | None = None) -> DynamicCache:
     """A cache that extends `cache` without modifying it, for one pass over label continuation steps: its batch is
     `repeats` copies of cache's rows, one after another (a pass feeding several labels, one label to each copy).
     Its layers hand attention the cached keys/values followed by the pass's new ones and keep nothing: the
-    continuation's keys are never read again."""
+    continuation's keys are never read again.
+
+    shared: a list the caller keeps across the passes over one batch cache, for a model whose attention is the
+    batch-invariant one (attention.py): its layers then hand attention the new keys alone, marked with the cached
+    ones (attention.CachedKeys, tiled once per batch and kept in the list), instead of a copy of both."""
     layers = list(cache.layers)
     if not all(type(layer) is DynamicLayer for layer in layers):  # sliding windows...: what their own update does
         data = [(layer.keys.repeat(repeats, 1, 1, 1), layer.values.repeat(repeats, 1, 1, 1)) for layer in layers]
         return DynamicCache(ddp_cache_data=data, config=config)
+    if shared is not None and getattr(config, "_attn_implementation", None) == attention.NAME:
+        if not shared:
+            shared.extend(attention.CachedKeys(layer.keys, layer.values) for layer in layers)
+    else:
+        shared = [None] * len(layers)
     extended = DynamicCache(config=config)
-    extended.layers = [_ExtendingLayer(layer.keys, layer.values, repeats) for layer in layers]
+    extended.layers = [_ExtendingLayer(layer.keys, layer.values, repeats, marked)
+                       for layer, marked in zip(layers, shared, strict=True)]
     return extended
 
 
 class _ExtendingLayer(DynamicLayer):
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, repeats: int):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, repeats: int, shared=None):
         super().__init__()
-        self.keys, self.values, self.repeats = keys, values, repeats
+        self.keys, self.values, self.repeats, self.shared = keys, values, repeats, shared
         self.device, self.is_initialized = keys.device, True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.shared is not None:
+            return self.shared.mark(key_states), value_states
         return _extend(self.keys, key_states, self.repeats), _extend(self.values, value_states, self.repeats)
 
 
