@@ -240,6 +240,40 @@ def test_invariant_attention_with_segments_and_a_continuation_matches_eager_atte
     assert torch.equal(alone, got[:, 66:])
 
 
+@pytest.mark.parametrize("hole", [False, True], ids=["right-padded", "a hidden cached key in front"])
+def test_continuation_attention_on_cached_tiles_gives_the_bits_of_the_keys_in_full(hole):
+    """A continuation pass's new keys marked with the batch's cached ones (CachedKeys: tiles made once, patched
+    where a pass's keys go) give the bits of the cached keys copied behind each copy of the batch; a cache whose
+    visible keys are not all in front (not a right-padded batch) falls back to those copies."""
+    from slimroute.attention import CachedKeys, segments
+
+    batch, copies, heads, kv_heads, cached_len, steps, dim = 3, 2, 4, 2, 70, 3, 16
+    torch.manual_seed(1)
+    keys, values = torch.randn(batch, kv_heads, cached_len, dim), torch.randn(batch, kv_heads, cached_len, dim)
+    q = torch.randn(copies * batch, heads, steps, dim)
+    new_k, new_v = torch.randn(copies * batch, kv_heads, steps, dim), torch.randn(copies * batch, kv_heads, steps, dim)
+    visible = torch.tensor([70, 45, 60]).repeat(copies)  # each row's cached keys: right-padded
+    fed = torch.tensor([3, 2]).repeat_interleave(batch)  # copy 0 feeds a 3-token run, copy 1 a 2-token one
+    key_index, query_index = torch.arange(cached_len + steps), torch.arange(steps)
+    cached_seen = key_index[None, None, :] < visible[:, None, None]
+    own = key_index - cached_len
+    new_seen = (own[None, None, :] >= 0) & (own[None, None, :] <= query_index[None, :, None]) & (
+        own[None, None, :] < fed[:, None, None])
+    allowed = (cached_seen | new_seen)[:, None]  # (C * B, 1, steps, P + steps)
+    if hole:
+        allowed[[1, 4], :, :, 10] = False
+    full_k = torch.cat([keys.repeat(copies, 1, 1, 1), new_k], dim=2)
+    full_v = torch.cat([values.repeat(copies, 1, 1, 1), new_v], dim=2)
+    shared = CachedKeys(keys, values)
+    with segments(continuation=0):
+        expected, _ = invariant_attention(None, q, full_k, full_v, allowed, scaling=dim ** -0.5)
+        got, _ = invariant_attention(None, q, shared.mark(new_k.clone()), new_v, allowed, scaling=dim ** -0.5)
+        tiles = shared._tiles
+        again, _ = invariant_attention(None, q, shared.mark(new_k.clone()), new_v, allowed, scaling=dim ** -0.5)
+    assert torch.equal(got, expected) and torch.equal(again, expected)
+    assert (tiles is None) == hole and shared._tiles is tiles  # tiled once (a second layer, pass: the same tiles)
+
+
 def test_invariant_attention_bits_do_not_depend_on_the_query_chunks(monkeypatch):
     """Long inputs run QUERY_TILES query tiles per pass: the same bits as one pass over every query."""
     import slimroute.attention as attention

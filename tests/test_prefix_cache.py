@@ -67,6 +67,32 @@ def test_continue_cache_repeats_the_rows_and_leaves_the_original_unchanged(slidi
                for layer, (k, v) in zip(cache.layers, before, strict=True))
 
 
+@pytest.mark.parametrize("invariant", [False, True], ids=["sdpa", "invariant attention"])
+def test_continue_cache_hands_the_invariant_attention_the_new_keys_marked_with_the_cached_ones(invariant):
+    """With a list kept across a batch's passes, a model with the batch-invariant attention gets the pass's new keys
+    alone, marked with the batch's cached keys (made once, for every pass); any other attention gets them in full."""
+    from slimroute.attention import CachedKeys, register
+
+    model, tok = tiny_model("qwen2")
+    if invariant:
+        model.set_attn_implementation(register())
+    prefix = PrefixCache(model, Prompt(Task(("a", "b")), tok).prefix_ids)
+    cache, shared = prefix.expand(2), []
+    layer = continue_cache(cache, model.config, 3, shared).layers[0]
+    new = torch.randn(6, *cache.layers[0].keys.shape[1:2], 1, cache.layers[0].keys.shape[3])
+    keys, _ = layer.update(new, new)
+    assert len(shared) == (len(cache.layers) if invariant else 0)
+    if invariant:
+        assert keys is new and getattr(keys, CachedKeys.MARK) is shared[0] and shared[0].keys is cache.layers[0].keys
+        continue_cache(cache, model.config, 1, shared)
+        assert len(shared) == len(cache.layers)  # made once per batch
+    else:
+        assert torch.equal(keys, torch.cat([cache.layers[0].keys.repeat(3, 1, 1, 1), new], dim=2))
+    tokens = [[5], [6], [7], [8], [9], [10]]
+    got = _continue(model, continue_cache(cache, model.config, 3, shared), prefix.length, tokens)
+    assert torch.equal(got, _continue(model, continue_cache(cache, model.config, 3), prefix.length, tokens))
+
+
 def test_prefix_cache_matches_full_prompt(tiny_llama):
     model, tok = tiny_llama
     task = Task(("billing", "account"))
