@@ -34,7 +34,6 @@ from slimroute.labels import (
     continuation_runs,
     decision_margin,
     make_prediction,
-    trie_paths,
 )
 from slimroute.prefix_cache import PrefixCache, continue_cache
 from slimroute.scoring import LabelScorer
@@ -90,10 +89,9 @@ class Engine:
         self.device = next(model.parameters()).device
         tokens = [tok for ids in self.label_ids for tok in ids]
         # the multi-token labels' contexts (each fed once, however many labels share it) and the runs that feed them
-        contexts = trie_paths(self.label_ids)
-        self._runs, where = continuation_runs(self.label_ids)
-        self._context_states = [where[context] for context in contexts]  # (run, position) of each context's state
-        self._context_index = {context: i for i, context in enumerate(contexts)}
+        self._runs, where = continuation_runs(self.label_ids)  # where: each context's (run, position) in the runs
+        self._context_states = list(where.values())
+        self._context_index = {context: i for i, context in enumerate(where)}
         self.scorer = LabelScorer(model.get_output_embeddings(), tokens)
         warm_up_vector_math()  # a model built without load_model: its first pass must round like every later one
         self.prefix = PrefixCache(model, self.prompt.prefix_ids) if self.config.prefix_cache else None
