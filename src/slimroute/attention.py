@@ -174,7 +174,7 @@ class CachedKeys:
     def __init__(self, keys: torch.Tensor, values: torch.Tensor):
         self.keys, self.values = keys, values
         self.length = keys.shape[2]
-        self._tiles: _Tiles | None = None
+        self._tiles: _CachedTiles | None = None
 
     def mark(self, new_keys: torch.Tensor) -> torch.Tensor:
         setattr(new_keys, self.MARK, self)
@@ -185,21 +185,37 @@ class CachedKeys:
         cached = self.values if values else self.keys
         return torch.cat([cached.repeat(new.shape[0] // cached.shape[0], 1, 1, 1), new], dim=2)
 
-    def tiles(self, new_keys, new_values, plan: _Plan, k_len: int) -> _Tiles | _PatchedTiles | None:
+    def tiles(self, new_keys, new_values, plan: _Plan, k_len: int) -> _PatchedTiles | None:
         """The pass's key and value tiles, or None when its attention order moves a visible cached key (the cached
         keys of a row are not all in front of the others: only right-padded batches are handled)."""
         patches = plan.continuation_patches(self.length)
         if patches is None:
             return None
         if self._tiles is None or self._tiles.k_tiles.shape[2] * TILE < k_len:
-            self._tiles = _tiled(self.keys, self.values, None, k_len + TILE)  # a longer run may come
+            self._tiles = _CachedTiles(self.keys, self.values, k_len + TILE)  # a longer run may come
         return _PatchedTiles(self._tiles, new_keys, new_values, patches)
+
+
+class _CachedTiles(_Tiles):
+    """A cache's tiles up to k_len keys (zero-padded): the keys' transposed (a copy, as _tiled makes them); the
+    values' read in place where a tile is whole (the same layout as a tile of _tiled's), copied only for the last."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, k_len: int):
+        rows_in_order = values.stride()[-2:] == (values.shape[-1], 1)  # else every tile a copy, as _tiled's
+        self.values, self.whole = values, values.shape[2] // TILE if rows_in_order else 0
+        rest = self.whole * TILE
+        super().__init__(_tiles(keys, k_len).transpose(-1, -2).contiguous(), _tiles(values[:, :, rest:], k_len - rest))
+
+    def value(self, j: int) -> torch.Tensor:
+        if j < self.whole:
+            return self.values[:, :, j * TILE:(j + 1) * TILE]
+        return self.v_tiles[:, :, j - self.whole]
 
 
 class _PatchedTiles:
     """The cached tiles for each copy of the batch, with a pass's new keys written into the tiles that hold them."""
 
-    def __init__(self, cached: _Tiles, new_keys: torch.Tensor, new_values: torch.Tensor, patches: dict):
+    def __init__(self, cached: _CachedTiles, new_keys: torch.Tensor, new_values: torch.Tensor, patches: dict):
         self.cached, self.new_keys, self.new_values, self.patches = cached, new_keys, new_values, patches
         self.copies = new_keys.shape[0] // cached.k_tiles.shape[0]
 
