@@ -27,7 +27,8 @@ CONTINUATION_TILE positions at a time in both paths: a 32-position tile would ho
 label and 31 of padding, 32 times the work of its few scores (on the packaged 0.5B model, with three two-token
 labels, the continuation passes were then over a quarter of the time, mostly attention tiles).
 The mask's share of this (the key order, the padded additive mask) is the same in every layer of a forward pass,
-so it is worked out once per mask and reused.
+so it is worked out once per mask and reused. A batch's continuation passes all read the batch's cached keys: those
+are cut into tiles once per batch and layer (CachedKeys), and a pass copies only the tiles its new keys go into.
 About 4% of an item's FLOPs on a 0.5B model at ticket lengths.
 """
 
