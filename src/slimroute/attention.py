@@ -183,8 +183,10 @@ class CachedKeys:
 
     def extended(self, new: torch.Tensor, values: bool = False) -> torch.Tensor:
         """The cached keys (or values) repeated for each copy of the batch in new's rows, then new behind them."""
+        from slimroute.prefix_cache import extended  # prefix_cache imports this module
+
         cached = self.values if values else self.keys
-        return torch.cat([cached.repeat(new.shape[0] // cached.shape[0], 1, 1, 1), new], dim=2)
+        return extended(cached, new, new.shape[0] // cached.shape[0])
 
     def tiles(self, new_keys, new_values, plan: _Plan, k_len: int) -> _PatchedTiles | None:
         """The pass's key and value tiles, or None when its attention order moves a visible cached key (the cached
@@ -220,23 +222,20 @@ class _PatchedTiles:
         self.cached, self.new_keys, self.new_values, self.patches = cached, new_keys, new_values, patches
         self.copies = new_keys.shape[0] // cached.k_tiles.shape[0]
 
-    def _rows(self, tile: torch.Tensor) -> torch.Tensor:
-        return tile if self.copies == 1 else tile.repeat(self.copies, 1, 1, 1)
-
     def key(self, j: int) -> torch.Tensor:
-        if j not in self.patches:
-            return self._rows(self.cached.key(j))
-        rows, at, new = self.patches[j]
-        tile = self.cached.key(j).repeat(self.copies, 1, 1, 1)  # (C * B, Hkv, D, T)
-        tile[rows, :, :, at] = self.new_keys[rows, :, new, :]
-        return tile
+        return self._tile(self.cached.key(j), self.new_keys, j, transposed=True)  # (C * B, Hkv, D, T)
 
     def value(self, j: int) -> torch.Tensor:
+        return self._tile(self.cached.value(j), self.new_values, j, transposed=False)  # (C * B, Hkv, T, D)
+
+    def _tile(self, cached: torch.Tensor, new_states: torch.Tensor, j: int, transposed: bool) -> torch.Tensor:
+        """Tile j for every row: the cached one (itself when the batch is not copied), or a copy of it with the
+        pass's new keys (or values) that fall in it written where attention order puts them."""
         if j not in self.patches:
-            return self._rows(self.cached.value(j))
+            return cached if self.copies == 1 else cached.repeat(self.copies, 1, 1, 1)
         rows, at, new = self.patches[j]
-        tile = self.cached.value(j).repeat(self.copies, 1, 1, 1)  # (C * B, Hkv, T, D)
-        tile[rows, :, at, :] = self.new_values[rows, :, new, :]
+        tile = cached.repeat(self.copies, 1, 1, 1)
+        (tile.transpose(-1, -2) if transposed else tile)[rows, :, at, :] = new_states[rows, :, new, :]
         return tile
 
 

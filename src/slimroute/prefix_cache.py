@@ -65,10 +65,10 @@ class _ExtendingLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if self.shared is not None:
             return self.shared.mark(key_states), value_states
-        return _extend(self.keys, key_states, self.repeats), _extend(self.values, value_states, self.repeats)
+        return extended(self.keys, key_states, self.repeats), extended(self.values, value_states, self.repeats)
 
 
-def _extend(cached: torch.Tensor, new: torch.Tensor, repeats: int) -> torch.Tensor:
+def extended(cached: torch.Tensor, new: torch.Tensor, repeats: int) -> torch.Tensor:
     """cached (B, H, P, D) repeated to (repeats * B, ...), then new (repeats * B, H, L, D) behind it: one copy."""
     batch, heads, length, dim = cached.shape
     out = new.new_empty(repeats * batch, heads, length + new.shape[2], dim)
