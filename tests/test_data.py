@@ -13,9 +13,11 @@ from slimroute.data import (
     PredictionWriter,
     Row,
     count_rows,
+    iter_records,
     iter_rows,
     output_record,
     read_rows,
+    record_columns,
 )
 from slimroute.labels import Prediction
 
@@ -174,10 +176,23 @@ def test_missing_file(tmp_path):
 
 
 def test_unknown_extension(tmp_path):
-    (tmp_path / "in.txt").write_text("hello\n")
-    with pytest.raises(InputError, match=r"unsupported extension '\.txt'; use one of \.csv, \.jsonl"):
-        read_rows(tmp_path / "in.txt")
-    assert count_rows(tmp_path / "in.txt") is None
+    (tmp_path / "in.xlsx").write_text("hello\n")
+    with pytest.raises(InputError, match=r"unsupported extension '\.xlsx'; use one of \.csv, \.jsonl.*\.txt"):
+        read_rows(tmp_path / "in.xlsx")
+    assert count_rows(tmp_path / "in.xlsx") is None
+
+
+def test_text_lines_are_rows_numbered_from_zero(tmp_path):
+    """.txt: a text per non-blank line (BOM, line ends and blank lines as in JSONL); no columns, ids are row numbers."""
+    path = tmp_path / "in.txt"
+    path.write_bytes(b'\xef\xbb\xbfI was charged twice\r\n\n  \n{"text": "kept as text"}\nbad \xff byte\n  spaced  \n')
+    rows = read_rows(path, label_column=None)
+    assert [(r.index, r.id, r.text, r.gold) for r in rows] == [
+        (0, "0", "I was charged twice", None), (1, "1", '{"text": "kept as text"}', None),
+        (2, "2", None, None), (3, "3", "  spaced  ", None)]
+    assert rows[2].error == "text is not valid UTF-8" and count_rows(path) == 4
+    assert record_columns(path) == ["text"]
+    assert [r["text"] for r in iter_records(path)][2] == "bad \ufffd byte"
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -1,4 +1,4 @@
-"""Input rows in (CSV / JSONL / Parquet, streamed) and predictions out.
+"""Input rows in (CSV / JSONL / Parquet / text lines, streamed; standard input spooled) and predictions out.
 
 Reading never raises for a bad row: the row comes back with `error` set and `text` None, so
 every other row is still processed. Problems with the file as a whole (missing, unknown
@@ -19,7 +19,8 @@ import pyarrow.parquet as pq
 
 from slimroute.labels import Prediction
 
-FORMATS = {".csv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
+FORMATS = {".csv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}  # in and out
+INPUT_FORMATS = {**FORMATS, ".txt": "txt"}  # .txt: one text per line (input only)
 _MISSING = object()
 _JSONL_LOOKAHEAD = 100  # lines inspected to decide whether a JSONL file has the text column at all
 _BOM = b"\xef\xbb\xbf"
@@ -48,10 +49,10 @@ class _Columns:
 
 
 def _format_of(path: Path) -> str:
-    fmt = FORMATS.get(path.suffix.lower())
+    fmt = INPUT_FORMATS.get(path.suffix.lower())
     if fmt is None:
         raise InputError(f"file {str(path)!r} has an unsupported extension {path.suffix!r}; "
-                         f"use one of {', '.join(FORMATS)}")
+                         f"use one of {', '.join(INPUT_FORMATS)}")
     return fmt
 
 
@@ -133,7 +134,7 @@ def _error_row(index: int, error: str) -> Row:
     return Row(index, str(index), None, None, error)
 
 
-def _jsonl_lines(path: Path) -> Iterator[bytes]:
+def _lines(path: Path) -> Iterator[bytes]:
     """Non-blank lines, BOM stripped."""
     with path.open("rb") as f:
         for number, line in enumerate(f):
@@ -156,7 +157,7 @@ def _parse_jsonl(line: bytes) -> tuple[object, str | None]:
 def _jsonl_columns(path: Path, text: str, id_: str, label: str | None) -> _Columns:
     """JSONL has no header: the columns are the keys seen in the first objects of the file."""
     seen: dict[str, None] = {}
-    for number, line in enumerate(_jsonl_lines(path)):
+    for number, line in enumerate(_lines(path)):
         obj, _ = _parse_jsonl(line)
         if obj is not None:
             seen.update(dict.fromkeys(obj))
@@ -171,9 +172,16 @@ def _jsonl_columns(path: Path, text: str, id_: str, label: str | None) -> _Colum
 
 
 def _iter_jsonl(path: Path, cols: _Columns) -> Iterator[Row]:
-    for index, line in enumerate(_jsonl_lines(path)):
+    for index, line in enumerate(_lines(path)):
         obj, error = _parse_jsonl(line)
         yield _error_row(index, error) if error else _make_row(index, obj, cols)
+
+
+def _iter_txt(path: Path) -> Iterator[Row]:
+    """One text per non-blank line; the id is the row number."""
+    cols = _Columns("text", "id", None)
+    for index, line in enumerate(_lines(path)):
+        yield _make_row(index, {"text": line.rstrip(b"\r\n").decode("utf-8", "surrogateescape")}, cols)
 
 
 def _open_csv(path: Path):
@@ -219,11 +227,13 @@ def _open_parquet(path: Path) -> pq.ParquetFile:
 
 def iter_rows(path, text_column: str = "text", id_column: str = "id",
               label_column: str | None = None) -> Iterator[Row]:
-    """Stream the rows of a .csv / .jsonl / .ndjson / .parquet file.
+    """Stream the rows of a .csv / .jsonl / .ndjson / .parquet / .txt file (.txt: a text per line, no columns).
 
     File-level problems raise InputError here, before the first row is read; row problems never raise.
     """
     path, fmt = _check_input(path)
+    if fmt == "txt":
+        return _iter_txt(path)
     if fmt == "csv":
         header = next(_csv_records(path), None)
         if header is None:  # an empty file has no rows
@@ -245,12 +255,12 @@ def read_rows(path, text_column: str = "text", id_column: str = "id",
 def count_rows(path) -> int | None:
     """Number of rows, cheaply, for progress bars; None when it cannot be told."""
     path = Path(path)
-    fmt = FORMATS.get(path.suffix.lower())
+    fmt = INPUT_FORMATS.get(path.suffix.lower())
     try:
         if fmt == "parquet":
             return pq.ParquetFile(path).metadata.num_rows
-        if fmt == "jsonl":
-            return sum(1 for _ in _jsonl_lines(path))
+        if fmt in ("jsonl", "txt"):
+            return sum(1 for _ in _lines(path))
         if fmt == "csv":
             return max(0, sum(1 for _ in _csv_records(path)) - 1)
     except (OSError, InputError, pa.ArrowException):
@@ -270,8 +280,11 @@ def iter_records(path) -> Iterator[dict]:
     elif fmt == "parquet":
         for batch in _open_parquet(path).iter_batches():
             yield from batch.to_pylist()
+    elif fmt == "txt":
+        for line in _lines(path):
+            yield {"text": _clean(line.rstrip(b"\r\n").decode("utf-8", "surrogateescape"))}
     else:
-        for line in _jsonl_lines(path):
+        for line in _lines(path):
             obj, _ = _parse_jsonl(line)
             yield obj if obj is not None else {}
 
@@ -283,8 +296,10 @@ def record_columns(path) -> list[str]:
         return [_clean(h) for h in next(_csv_records(path), [])]
     if fmt == "parquet":
         return list(_open_parquet(path).schema_arrow.names)
+    if fmt == "txt":
+        return ["text"]
     seen: dict[str, None] = {}
-    for number, line in enumerate(_jsonl_lines(path)):
+    for number, line in enumerate(_lines(path)):
         obj, _ = _parse_jsonl(line)
         seen.update(dict.fromkeys(obj or {}))
         if number + 1 >= _JSONL_LOOKAHEAD:

@@ -30,6 +30,7 @@ from slimroute.report import print_summary
 
 
 def classify(
+    ctx: typer.Context,
     input: Path = typer.Argument(..., help="CSV, JSONL or Parquet file."),
     out: Path = typer.Option(..., "--out", "-o", help="predictions.jsonl / .csv / .parquet"),
     labels: str = opt.LABELS, instructions: str = opt.INSTRUCTIONS, task: Path = opt.TASK,
@@ -57,11 +58,13 @@ def classify(
 ):
     """Classify every row of INPUT, streaming, and write one prediction per row, in input order.
 
-    Output is committed window by window; an interrupted job continues with --resume (docs/jobs.md)."""
+    Output is committed window by window; an interrupted job continues with --resume (docs/jobs.md). INPUT - reads
+    standard input (JSONL, or one text per line); --out - writes JSONL to standard output."""
     from slimroute.data import count_rows, iter_rows
     from slimroute.jobs import JobConfig, JobSummary, job_settings
     from slimroute.models import physical_cores
     from slimroute.output import DurableOutput, input_fingerprint
+    from slimroute.stdio import STDIO, StreamOutput, spooled_stdin
 
     if backend not in ("local", "ray"):
         ui.fail(f"--backend must be local or ray, got {backend!r}")
@@ -82,6 +85,8 @@ def classify(
                                recheck_margin, min_prob, fallback_label)
     except ValueError as exc:
         ui.fail(str(exc))
+    if backend == "ray" and STDIO in (str(input), str(out)):
+        ui.fail("--backend ray reads and writes files: give INPUT and --out as paths, not -")
     if backend == "ray":
         return classify_on_ray(input, out, labels, instructions, task, model, dtype, text_column, id_column,
                                label_column, config, replicas, threads_per_replica, ray_address, examples, shots,
@@ -103,6 +108,8 @@ def classify(
         calibration.check_data(answers, the_head)  # before the model loads
         check_fallback(config, answers)
         job = JobConfig(window, limit, resume, overwrite, errors)
+        if str(input) == STDIO:  # read to its end into a temporary file, removed when the command ends
+            input = ctx.with_resource(spooled_stdin(text_column=text_column))
         rows = iter_rows(input, text_column, id_column, label_column)
         choice = None if server else resolve_dtype(dtype, device)
         settings = job_settings(
@@ -112,10 +119,14 @@ def classify(
             server=server, server_task=server_task, head=the_head.digest if the_head else None,
             calibration=calibration.fingerprint(), served=remote.answer_settings() if remote else None,
         )
-        output = DurableOutput.prepare(out, answers, input_fingerprint(input), settings,
-                                       resume=job.resume, overwrite=job.overwrite, errors=job.errors,
-                                       raw_columns=calibration.on,
-                                       routed_column=bool(config.fallback or remote and remote.fallback()))
+        routed = bool(config.fallback or remote and remote.fallback())
+        if str(out) == STDIO:
+            output = StreamOutput(answers, input_fingerprint(input), settings, resume=job.resume, errors=job.errors,
+                                  raw_columns=calibration.on, routed_column=routed)
+        else:
+            output = DurableOutput.prepare(out, answers, input_fingerprint(input), settings,
+                                           resume=job.resume, overwrite=job.overwrite, errors=job.errors,
+                                           raw_columns=calibration.on, routed_column=routed)
         classifier = remote or make_classifier(load(model, dtype, threads, device), the_task, config, reference,
                                                the_head)
         if (note := multi_token_note(getattr(classifier, "label_ids", []), the_head)) is not None:
@@ -136,7 +147,7 @@ def classify(
     summary.dtype = str(choice) if choice else None
     if output.resuming:
         ui.console.print(f"resuming: {output.record.rows_done} rows ({output.record.windows_done} windows) "
-                      f"are already committed to {out}")
+                      f"are already committed to {output.out}")
     elif job.resume:
         ui.console.print(f"nothing to resume for {out}; starting from the first row")
     summary.seconds = run_job_with_progress(classifier, rows, output, summary, job.window, total,
@@ -151,10 +162,10 @@ def classify(
     if summary_json:
         summary_json.write_text(json.dumps(record, indent=2))
     if job.errors:
-        ui.console.print(f"wrote {summary.num_items - summary.num_errors} predictions to {out} "
+        ui.console.print(f"wrote {summary.num_items - summary.num_errors} predictions to {output.out} "
                       f"and {summary.num_errors} failed rows to {job.errors}")
     else:
-        ui.console.print(f"wrote {summary.num_items} predictions to {out}")
+        ui.console.print(f"wrote {summary.num_items} predictions to {output.out}")
 
 
 MANY_MULTI_TOKEN_LABELS = 8  # BANKING77's 77 intents as labels, all several tokens: 0.74 items/s zero-shot (AMD
@@ -203,6 +214,7 @@ def run_job_with_progress(classifier, rows, output, summary, window: int, total:
     out to be malformed part-way end the command, saying what is committed and what to do."""
     from slimroute.data import InputError
     from slimroute.jobs import run_job
+    from slimroute.stdio import StreamOutput, silence_stdout
 
     start = time.perf_counter()
     try:
@@ -214,8 +226,16 @@ def run_job_with_progress(classifier, rows, output, summary, window: int, total:
                 bar.update(task_id, advance=n, rate=f"{done / (time.perf_counter() - start):.1f}")
 
             run_job(classifier, rows, output, summary, window, advance, batch_calibration)
+    except BrokenPipeError:  # --out - and the reader stopped reading (`| head`): stop quietly, as Unix tools do
+        silence_stdout()
+        ui.console.print(f"standard output was closed after {output.record.rows_done} rows; stopped")
+        raise typer.Exit(141) from None
     except (KeyboardInterrupt, OSError, ValueError) as exc:  # ValueError: InputError, pyarrow's errors
         record = output.record
+        if isinstance(output, StreamOutput):  # nothing kept to resume from
+            ui.console.print(f"[yellow]stopped:[/] {exc or type(exc).__name__}; {record.rows_done} rows were "
+                             "written to standard output")
+            raise typer.Exit(130 if isinstance(exc, KeyboardInterrupt) else 1) from None
         windows = f"{record.windows_done} whole window{'' if record.windows_done == 1 else 's'}"
         committed = (f"{record.rows_done} rows ({windows}) are committed to {output.out}; "
                      "the window in progress was dropped")
