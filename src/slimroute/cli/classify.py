@@ -251,4 +251,5 @@ def run_job_with_progress(classifier, rows, output, summary, window: int, total:
 def resume_command() -> str:
     """The command line of this run, with --resume."""
     args = [arg for arg in sys.argv[1:] if arg != "--overwrite"]
-    return shlex.join(["slimroute", *args, *([] if "--resume" in args else ["--resume"])])
+    command = shlex.join(["slimroute", *args, *([] if "--resume" in args else ["--resume"])])
+    return command + (" (with the same input piped in again)" if "-" in args else "")
