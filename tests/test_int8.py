@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from test_output_head import q8_0
 from tiny import make_text, tiny_model
 from torch import nn
 
@@ -14,16 +15,13 @@ from slimroute.config import EngineConfig
 from slimroute.cpu import detect, int8_kernels_available
 from slimroute.engine import Engine
 from slimroute.int8 import (
-    HEAD_CHUNK,
     Int8Linear,
-    RowBlockedLinear,
     _onednn_problem,
-    compact_head,
-    expand_head,
     int8_failure,
     quantize_model,
 )
-from slimroute.kernels import onednn_failure, set_attention
+from slimroute.kernels import set_attention
+from slimroute.output_head import RowBlockedLinear
 from slimroute.reference import ReferenceClassifier
 from slimroute.task import Task
 
@@ -179,19 +177,6 @@ def test_the_onednn_probe_refuses_a_kernel_whose_sums_saturate(monkeypatch):
     monkeypatch.setattr(int8.Int8Linear, "__init__", remember)
     monkeypatch.setattr(int8.Int8Linear, "integer_product", saturating)
     assert int8._onednn_problem() == "its integer products are not exact for 8-bit activations on this CPU"
-
-
-@pytest.mark.parametrize("onednn", [False, True], ids=["torch", "onednn"])
-def test_row_blocked_head_rows_do_not_depend_on_the_batch(onednn):
-    if onednn and onednn_failure(torch.float32):
-        pytest.skip(f"oneDNN's fp32 linear does not run here: {onednn_failure(torch.float32)}")
-    torch.manual_seed(0)
-    head = RowBlockedLinear(nn.Linear(64, 400, bias=False), onednn)
-    x = torch.randn(37, 64)
-    whole = head(x)
-    assert torch.allclose(whole, torch.nn.functional.linear(x, head.weight), atol=1e-5)
-    for start, stop in ((0, 1), (5, 6), (3, 20), (36, 37)):
-        assert torch.equal(head(x[start:stop]), whole[start:stop])
 
 
 def causal_attention_inputs(batch: int, heads: int, queries: int, keys: int, dim: int, kv_heads: int = 2):
@@ -431,55 +416,6 @@ def test_a_new_int8_cache_replaces_an_earlier_schemes_file(tmp_path):
     model, _ = tiny_model("qwen2")
     quantize_model(model, tmp_path / f"int8-{SCHEME}.safetensors")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"int8-{SCHEME}.safetensors", "model.safetensors"])
-
-
-def q8_0(weight: torch.Tensor) -> torch.Tensor:
-    """weight's values as a Q8_0 GGUF gives them back (llama.cpp's quantize_row_q8_0_ref): blocks of 32,
-    q = round(x / d) with d = amax / 127, then q times d stored as fp16."""
-    blocks = weight.reshape(weight.shape[0], -1, 32)
-    scale = blocks.abs().amax(dim=2, keepdim=True) / 127
-    q = torch.round(blocks / torch.where(scale > 0, scale, torch.ones_like(scale)))
-    return (q * scale.half().float()).reshape(weight.shape)
-
-
-def test_compact_head_gives_back_every_value_exactly():
-    """A Q8_0-valued weight becomes int8 + one scale per 32 (a quarter of fp32's bytes plus 1/8), a bf16-valued
-    one bf16, anything else stays fp32 (None); every slice comes back bit for bit, across HEAD_CHUNK's seams."""
-    gen = torch.Generator().manual_seed(0)
-    raw = torch.randn(HEAD_CHUNK + 300, 64, generator=gen) * 0.05
-    raw[7, 32:] = 0  # an all-zero block: scale 0, every integer 0
-    for weight, kind in ((q8_0(raw), "q8"), (raw.bfloat16().float(), "bf16"), (raw, None)):
-        compact = compact_head(weight)
-        if kind is None:
-            assert compact is None
-            continue
-        assert sorted(compact) == (["head.q8", "head.q8_scale"] if kind == "q8" else ["head.bf16"])
-        held = sum(t.numel() * t.element_size() for t in compact.values())
-        assert held <= weight.numel() * weight.element_size() * (0.29 if kind == "q8" else 0.5)
-        buffer = torch.full((HEAD_CHUNK, 64), float("nan"))  # reused slice after slice, as RowBlockedLinear does
-        for lo, hi in ((0, HEAD_CHUNK), (HEAD_CHUNK, weight.shape[0]), (5, 9)):
-            assert torch.equal(expand_head(compact, lo, hi), weight[lo:hi])
-            assert torch.equal(expand_head(compact, lo, hi, buffer), weight[lo:hi])
-    q8 = q8_0(raw)
-    q8[3, 3] = q8[3, 3] * (1 + 2**-20)  # one value off the grid: not a Q8_0 tensor (and not bf16 either)
-    assert compact_head(q8) is None
-
-
-@pytest.mark.parametrize("onednn", [False, True], ids=["torch", "onednn"])
-def test_compact_head_gives_the_fp32_heads_logits_and_row_invariance(onednn):
-    if onednn and onednn_failure(torch.float32):
-        pytest.skip(f"oneDNN's fp32 linear does not run here: {onednn_failure(torch.float32)}")
-    torch.manual_seed(0)
-    linear = nn.Linear(64, HEAD_CHUNK + 100, bias=False)
-    with torch.no_grad():
-        linear.weight.copy_(q8_0(linear.weight))
-    head = RowBlockedLinear(linear, onednn, compact_head(linear.weight.data))
-    assert head.weight is None and head.compact is not None  # the fp32 weight is not held
-    x = torch.randn(37, 64)
-    whole = head(x)
-    assert torch.allclose(whole, torch.nn.functional.linear(x, linear.weight), atol=1e-5)
-    for start, stop in ((0, 1), (5, 6), (3, 20), (36, 37)):
-        assert torch.equal(head(x[start:stop]), whole[start:stop])
 
 
 def test_a_q8_head_is_cached_compact_and_gives_the_references_bits(tmp_path):

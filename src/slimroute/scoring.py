@@ -3,7 +3,7 @@
 The exact log-probability needs the normaliser over the whole vocabulary, so the output head runs at each
 scored position (one per item and label step, never at every position: about 0.3 GFLOP per item for
 Qwen2.5-0.5B, under 1% of the item's forward pass) and the label columns are read from its log-softmax, the same
-arithmetic as the reference's, so a batch-invariant head (int8.RowBlockedLinear) gives the reference's bits.
+arithmetic as the reference's, so a batch-invariant head (output_head.RowBlockedLinear) gives the reference's bits.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ class LabelScorer:
         self.head = lm_head
         self.token_ids = sorted(set(token_ids))
         self.column = {tok: j for j, tok in enumerate(self.token_ids)}
-        weight = getattr(lm_head, "weight", None)  # None: int8.RowBlockedLinear holding a compact weight
+        weight = getattr(lm_head, "weight", None)  # None: output_head.RowBlockedLinear holding a compact weight
         self.dtype, device = (weight.dtype, weight.device) if weight is not None else (lm_head.dtype, lm_head.device)
         self.index = torch.tensor(self.token_ids, device=device)  # (K,)
 
