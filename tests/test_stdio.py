@@ -122,3 +122,17 @@ def test_a_closed_stdout_stops_quietly(tmp_path, model_dir):
     assert proc.wait(timeout=120) == 141, stderr
     assert first["id"] == "0" and "Traceback" not in stderr
     assert "standard output was closed after" in stderr and "; stopped" in stderr
+
+
+def test_eval_reads_predictions_from_stdin(tmp_path, invoke):
+    """`slimroute classify - --out - | slimroute eval - --gold in.jsonl`: the metrics of the same file."""
+    src = write_jsonl(tmp_path / "in.jsonl", tickets(6))
+    out = tmp_path / "out.jsonl"
+    assert invoke(src, "--out", out).exit_code == 0
+    runner = CliRunner()
+    from_file = runner.invoke(cli.app, ["eval", str(out), "--gold", str(src), "--json", str(tmp_path / "a.json")])
+    piped = runner.invoke(cli.app, ["eval", "-", "--gold", str(src), "--json", str(tmp_path / "b.json")],
+                          input=out.read_bytes())
+    assert from_file.exit_code == piped.exit_code == 0, piped.output
+    assert json.loads((tmp_path / "a.json").read_text()) == json.loads((tmp_path / "b.json").read_text())
+    assert "accuracy" in piped.stdout

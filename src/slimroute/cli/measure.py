@@ -15,7 +15,9 @@ from slimroute.models import ModelNotFoundError
 
 
 def evaluate(
-    predictions: Path = typer.Argument(..., help="Predictions from classify (CSV, JSONL or Parquet)."),
+    ctx: typer.Context,
+    predictions: Path = typer.Argument(..., help="Predictions from classify (CSV, JSONL or Parquet; - reads "
+                                                 "JSONL from standard input, as classify --out - writes it)."),
     gold: Path = typer.Option(..., "--gold", help="File with the gold labels (e.g. classify's input), joined by id."),
     id_column: str = typer.Option("id", "--id-column", help="Id column of --gold (else the row number)."),
     label_column: str = typer.Option("label", "--label-column", help="Gold-label column of --gold."),
@@ -29,10 +31,13 @@ def evaluate(
     from slimroute.evaluate import evaluate_files
     from slimroute.metrics import check_plotting, plot_confusion
     from slimroute.report import print_evaluation
+    from slimroute.stdio import STDIO, spooled_stdin
 
     try:
         if plot is not None:
             check_plotting(plot)
+        if str(predictions) == STDIO:
+            predictions = ctx.with_resource(spooled_stdin(text_column="label"))
         evaluation = evaluate_files(predictions, gold, id_column, label_column, target_accuracy)
     except ValueError as exc:
         ui.fail(str(exc))
