@@ -152,7 +152,8 @@ def choose_dtype(requested: str = "auto", cpu: CpuFeatures | None = None, device
     works = supported_dtypes(cpu, device)
     if requested != "auto":
         if requested not in works:
-            raise UnsupportedDtypeError(f"--dtype {requested} cannot run here: {_missing(requested, cpu, device)}. "
+            why = missing_feature(requested, cpu, device)
+            raise UnsupportedDtypeError(f"--dtype {requested} cannot run here: {why}. "
                                         f"Dtypes that work on this machine: auto, {', '.join(works)}")
         return DtypeChoice(requested, "requested")
     if not on_cpu:
@@ -169,7 +170,8 @@ def choose_dtype(requested: str = "auto", cpu: CpuFeatures | None = None, device
     return DtypeChoice("float32", "no native BF16 and no int8 kernels (fbgemm needs x86 AVX2) here")
 
 
-def _missing(name: str, cpu: CpuFeatures, device: str) -> str:
+def missing_feature(name: str, cpu: CpuFeatures, device: str = "cpu") -> str:
+    """Why dtype `name` cannot run here, in a few words naming what is missing."""
     if torch.device(device).type != "cpu":
         return f"{name} runs on the CPU only"
     if name == "bfloat16":

@@ -124,6 +124,18 @@ def packaged_help() -> str:
     return "\n".join(lines)
 
 
+def packaged_status(pm: PackagedModel) -> dict[str, str]:
+    """Whether a packaged model's PyPI parts are installed ("yes", else "no: <pip command>") and whether it is
+    converted into the cache ("yes" / "no")."""
+    try:
+        _part_paths(pm)
+        installed = "yes"
+    except ModelNotFoundError:
+        installed = f"no: {pm.pip_install}"
+    converted = any((cache_dir() / "converted").glob(f"{Path(pm.gguf_name).stem}-*/model.safetensors"))
+    return {"installed": installed, "converted": "yes" if converted else "no"}
+
+
 def _part_paths(pm: PackagedModel) -> list[Path]:
     """Locate each part's data file through package metadata, without importing the package."""
     paths = []

