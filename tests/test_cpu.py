@@ -7,7 +7,7 @@ import torch
 from typer.testing import CliRunner
 
 from slimroute.cli import app
-from slimroute.cpu import CpuFeatures, UnsupportedDtypeError, choose_dtype, detect, supported_dtypes
+from slimroute.cpu import CpuFeatures, UnsupportedDtypeError, choose_dtype, cpuid, detect, supported_dtypes
 
 ZEN5 = CpuFeatures("AMD EPYC (Zen 5)", frozenset(
     "avx2 fma avx512f avx512bw avx512vl avx512dq avx512_bf16 avx512_vnni".split()), "AVX512", "x86_64")
@@ -76,6 +76,16 @@ def test_failing_int8_kernels_make_auto_fall_back_to_float32(monkeypatch):
     assert choose_dtype("auto", ZEN3).name == "float32"
     with pytest.raises(UnsupportedDtypeError, match="simulated failure"):
         choose_dtype("int8", ZEN3)
+
+
+def test_cpuid_family_and_model_come_from_the_first_processor(tmp_path):
+    """"AMD EPYC" names a Zen 3 (family 25 model 1) and a Zen 4 (family 25 model 17) alike; the numbers do not."""
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 1\n"
+                    "model name\t: AMD EPYC\n\nprocessor\t: 1\ncpu family\t: 26\nmodel\t\t: 2\n")
+    assert cpuid(str(info)) == {"family": 25, "model_number": 1}
+    info.write_text("processor\t: 0\nFeatures\t: fp asimd\nCPU implementer\t: 0x41\n")  # ARM: no such lines
+    assert cpuid(str(info)) == {} and cpuid(str(tmp_path / "missing")) == {}
 
 
 def test_flags_can_be_simulated(monkeypatch):

@@ -24,7 +24,7 @@ import psutil
 import torch
 
 from slimroute.config import EngineConfig
-from slimroute.cpu import DTYPE_NAMES, UnsupportedDtypeError, choose_dtype, detect
+from slimroute.cpu import DTYPE_NAMES, UnsupportedDtypeError, choose_dtype, cpuid, detect
 from slimroute.engine import Engine
 from slimroute.kernels import set_linear_kernels
 from slimroute.labels import Prediction
@@ -366,7 +366,8 @@ def machine_info(threads, cpu=None) -> dict:
 
     import slimroute
 
-    return {"cpu": cpu.model, "cpu_flags": sorted(cpu.flags), "cpu_capability": cpu.capability,
+    return {"cpu": cpu.model, **{f"cpu_{key}": value for key, value in cpuid().items()},
+            "cpu_flags": sorted(cpu.flags), "cpu_capability": cpu.capability,
             "cpu_summary": cpu.describe(), "machine": cpu.machine, "cores": psutil.cpu_count(logical=False),
             "threads": torch.get_num_threads(), "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "slimroute": slimroute.__version__, "git_sha": sha,
@@ -394,7 +395,8 @@ def markdown(record: dict, command: str) -> str:
     m = record["machine"]
     auto = record.get("auto_dtype") or {}
     lines = [
-        f"`{command}` — {record['n']} tickets, {record['model']}, {m.get('cpu_summary', m['cpu'])}, "
+        f"`{command}` — {record['n']} tickets, {record['model']}, {m.get('cpu_summary', m['cpu'])}"
+        + (f" (CPUID family {m['cpu_family']} model {m['cpu_model_number']})" if "cpu_family" in m else "") + ", "
         f"{m['threads']} threads, torch {m['torch']}, git {m['git_sha']}, {m['date']}"
         + (f", {fmt_duration(record['wall_s'])} in all" if record.get("wall_s") else ""),
         "",

@@ -96,6 +96,23 @@ def _proc_cpuinfo() -> tuple[str, frozenset[str]]:
     return model, flags
 
 
+def cpuid(cpuinfo_path: str = "/proc/cpuinfo") -> dict[str, int]:
+    """x86 CPUID family and model from /proc/cpuinfo, which tell apart CPUs of one name ("AMD EPYC": family 25 model
+    1 is a Zen 3, model 17 a Zen 4; family 26 a Zen 5); empty elsewhere."""
+    found: dict[str, int] = {}
+    try:
+        with open(cpuinfo_path) as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = (part.strip() for part in line.partition(":"))
+                if key in ("cpu family", "model") and key not in found and value.isdigit():
+                    found[key] = int(value)
+                if not line.strip():
+                    break  # the first processor's block is enough
+    except OSError:
+        pass
+    return {"family": found["cpu family"], "model_number": found["model"]} if len(found) == 2 else {}
+
+
 def detect() -> CpuFeatures:
     model, flags = _proc_cpuinfo()
     capability = torch.backends.cpu.get_cpu_capability()

@@ -30,7 +30,7 @@ def machine_facts(device: str = "cpu") -> dict:
     import transformers
 
     from slimroute import __version__
-    from slimroute.cpu import choose_dtype, detect, missing_feature, supported_dtypes
+    from slimroute.cpu import choose_dtype, cpuid, detect, missing_feature, supported_dtypes
     from slimroute.models import PACKAGED_MODELS, cache_dir, packaged_status, physical_cores
 
     cpu = detect()
@@ -39,7 +39,7 @@ def machine_facts(device: str = "cpu") -> dict:
     return {
         "versions": {"slimroute": __version__, "python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__},
-        "cpu": {"model": cpu.model, **_cpuid(), "machine": cpu.machine, "torch_capability": cpu.capability,
+        "cpu": {"model": cpu.model, **cpuid(), "machine": cpu.machine, "torch_capability": cpu.capability,
                 "flags": [flag for flag in CPU_FLAGS if flag in cpu.flags], "physical_cores": physical_cores(),
                 "logical_cpus": os.cpu_count()},
         "device": device,
@@ -51,23 +51,6 @@ def machine_facts(device: str = "cpu") -> dict:
         "models": {name: packaged_status(model) for name, model in PACKAGED_MODELS.items()},
         "environment": {name: os.environ[name] for name in ENVIRONMENT if name in os.environ},
     }
-
-
-def _cpuid() -> dict[str, int]:
-    """x86 CPUID family and model from /proc/cpuinfo, which tell apart CPUs of one name ("AMD EPYC": family 25 model
-    1 is a Zen 3, model 17 a Zen 4; family 26 a Zen 5); empty elsewhere."""
-    found: dict[str, int] = {}
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                key, _, value = (part.strip() for part in line.partition(":"))
-                if key in ("cpu family", "model") and key not in found and value.isdigit():
-                    found[key] = int(value)
-                if not line.strip():
-                    break  # the first processor's block is enough
-    except OSError:
-        pass
-    return {"family": found["cpu family"], "model_number": found["model"]} if len(found) == 2 else {}
 
 
 def _kernels(works: list[str]) -> dict[str, str]:
