@@ -182,6 +182,35 @@ def test_unknown_extension(tmp_path):
     assert count_rows(tmp_path / "in.xlsx") is None
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_several_text_columns_make_one_text(tmp_path, fmt):
+    """--text-column subject,body: a paragraph "<column>: <value>" per filled column, in the order given."""
+    path = write_input(tmp_path / f"in.{fmt}", [
+        {"id": "a", "subject": "Refund", "body": "I was charged twice.\n", "other": "x"},
+        {"id": "b", "subject": "", "body": "The app crashes", "other": "x"},  # no subject: the body alone
+        {"id": "c", "subject": "  ", "body": "", "other": "x"},  # nothing left
+    ])
+    rows = read_rows(path, "subject,body")
+    assert [(r.id, r.text, r.error) for r in rows] == [
+        ("a", "subject: Refund\n\nbody: I was charged twice.", None),
+        ("b", "body: The app crashes", None),
+        ("c", None, "text columns 'subject', 'body' are all empty or missing in this row")]
+    assert read_rows(path, "body, subject")[0].text == "body: I was charged twice.\n\nsubject: Refund"
+    assert read_rows(path, "body")[0].text == "I was charged twice.\n"  # one column: the value as it is
+    with pytest.raises(InputError, match=r"text column 'title' is not in .*available columns: 'id', 'subject'"):
+        read_rows(path, "subject,title")
+
+
+def test_several_text_columns_keep_the_per_row_checks(tmp_path):
+    path = write_input(tmp_path / "in.jsonl", [
+        {"subject": "Invoice", "body": 5}, {"subject": None, "body": "ok"}, {"body": "no subject key"}])
+    rows = read_rows(path, "subject,body")
+    assert rows[0].error == "text column 'body' is not a string (got int)"
+    assert [r.text for r in rows[1:]] == ["body: ok", "body: no subject key"]
+    odd = write_input(tmp_path / "odd.csv", [{"a,b": "whole", "a": "x", "b": "y"}])
+    assert read_rows(odd, "a,b")[0].text == "whole"  # a column named with a comma is taken whole
+
+
 def test_text_lines_are_rows_numbered_from_zero(tmp_path):
     """.txt: a text per non-blank line (BOM, line ends and blank lines as in JSONL); no columns, ids are row numbers."""
     path = tmp_path / "in.txt"

@@ -78,12 +78,21 @@ def _clean(value: str) -> str:
     return "".join("\ufffd" if "\ud800" <= c <= "\udfff" else c for c in value)
 
 
+def text_columns(spec: str, available=None) -> tuple[str, ...]:
+    """The columns a --text-column names: one, or several separated by commas ("subject,body"), whose values make
+    one text (_text_of). A column whose own name has a comma (in `available`) is taken whole."""
+    if "," not in spec or (available is not None and spec in available):
+        return (spec,)
+    return tuple(part.strip() for part in spec.split(",") if part.strip())
+
+
 def _resolve_columns(path: Path, available: list[str], text: str, id_: str, label: str | None) -> _Columns:
     """Check the file-level columns; `label=None` means 'label' if present, else no gold."""
     listed = ", ".join(repr(c) for c in available) or "none"
-    if text not in available:
-        raise InputError(f"text column {text!r} is not in {str(path)!r}; available columns: {listed}. "
-                         "Pass --text-column with the column that holds the text")
+    for column in text_columns(text, available):
+        if column not in available:
+            raise InputError(f"text column {column!r} is not in {str(path)!r}; available columns: {listed}. "
+                             "Pass --text-column with the column that holds the text")
     if label is not None and label not in available:
         raise InputError(f"label column {label!r} is not in {str(path)!r}; available columns: {listed}. "
                          "Pass --label-column with the column that holds the gold labels, or leave it out")
@@ -95,23 +104,43 @@ def _resolve_columns(path: Path, available: list[str], text: str, id_: str, labe
     return _Columns(text, id_, label)
 
 
-def _text_of(record: Mapping, column: str) -> tuple[str | None, str | None]:
-    value = record.get(column, _MISSING)
+def _text_of(record: Mapping, spec: str) -> tuple[str | None, str | None]:
+    """(text, None), or (None, what is wrong with it). Several text columns (text_columns) make one text: each
+    filled one as a paragraph "<column>: <value>", in the order given; empty, null or missing ones are left out (an
+    email without a subject), and the row is an error only if none is left or one holds something not a text."""
+    columns = text_columns(spec, record)
+    if len(columns) == 1:
+        return _checked_text(record.get(columns[0], _MISSING), columns[0], "text")
+    parts = []
+    for column in columns:
+        value = record.get(column, _MISSING)
+        if value is _MISSING or value is None or isinstance(value, (str, bytes)) and not value.strip():
+            continue
+        text, error = _checked_text(value, column, f"text column {column!r}")
+        if error is not None:
+            return None, error
+        parts.append(f"{column}: {text.strip()}")
+    if not parts:
+        return None, f"text columns {', '.join(map(repr, columns))} are all empty or missing in this row"
+    return "\n\n".join(parts), None
+
+
+def _checked_text(value, column: str, what: str) -> tuple[str | None, str | None]:
     if isinstance(value, bytes):
         try:
             value = value.decode("utf-8")
         except UnicodeDecodeError:
-            return None, "text is not valid UTF-8"
+            return None, f"{what} is not valid UTF-8"
     if value is _MISSING:
         return None, f"text column {column!r} is missing in this row"
     if value is None:
-        return None, "text is null"
+        return None, f"{what} is null"
     if not isinstance(value, str):
-        return None, f"text is not a string (got {type(value).__name__})"
+        return None, f"{what} is not a string (got {type(value).__name__})"
     if _has_surrogates(value):
-        return None, "text is not valid UTF-8"
+        return None, f"{what} is not valid UTF-8"
     if not value.strip():
-        return None, "text is empty"
+        return None, f"{what} is empty"
     return value, None
 
 
@@ -161,7 +190,8 @@ def _jsonl_columns(path: Path, text: str, id_: str, label: str | None) -> _Colum
         obj, _ = _parse_jsonl(line)
         if obj is not None:
             seen.update(dict.fromkeys(obj))
-            if text in seen and (label is None or label in seen) and (id_ == "id" or id_ in seen):
+            texts = text_columns(text, seen)
+            if all(c in seen for c in texts) and (label is None or label in seen) and (id_ == "id" or id_ in seen):
                 break
         if number + 1 >= _JSONL_LOOKAHEAD:
             break
@@ -209,7 +239,7 @@ def _iter_csv(path: Path, header: list[str], cols: _Columns) -> Iterator[Row]:
 
 def _iter_parquet(pf: pq.ParquetFile, cols: _Columns, batch_size: int = 1024) -> Iterator[Row]:
     names = pf.schema_arrow.names
-    wanted = [c for c in dict.fromkeys((cols.text, cols.id, cols.label)) if c in names]
+    wanted = [c for c in dict.fromkeys((*text_columns(cols.text, names), cols.id, cols.label)) if c in names]
     index = 0
     for batch in pf.iter_batches(batch_size=batch_size, columns=wanted):
         data = batch.to_pydict()

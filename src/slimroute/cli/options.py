@@ -17,7 +17,8 @@ TRUNCATE = typer.Option(None, "--truncate-tokens", help="Read only each text's f
                                                      "(a cut text is marked truncated; check accuracy with eval). "
                                                      "Default: the task file's truncate_tokens, else whole texts; "
                                                      "0: whole texts.")
-TEXT_COL = typer.Option("text", "--text-column", help="Text column (of the input, --examples, --calibration-data).")
+TEXT_COL = typer.Option("text", "--text-column", help="Text column (of the input, --examples, --calibration-data); "
+                                                      "several, comma-separated (subject,body), make one text.")
 ID_COL = typer.Option("id", "--id-column")
 LABEL_COL = typer.Option(None, "--label-column", help="Gold-label column (default: 'label' when present; also "
                                                       "the label column of --examples and --calibration-data).")
