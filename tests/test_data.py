@@ -221,6 +221,8 @@ def test_text_lines_are_rows_numbered_from_zero(tmp_path):
         (2, "2", None, None), (3, "3", "  spaced  ", None)]
     assert rows[2].error == "text is not valid UTF-8" and count_rows(path) == 4
     assert record_columns(path) == ["text"]
+    with pytest.raises(InputError, match=r"one text per line and no columns, so --label-column 'intent' cannot"):
+        read_rows(path, label_column="intent")
     assert [r["text"] for r in iter_records(path)][2] == "bad \ufffd byte"
 
 

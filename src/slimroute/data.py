@@ -263,6 +263,11 @@ def iter_rows(path, text_column: str = "text", id_column: str = "id",
     """
     path, fmt = _check_input(path)
     if fmt == "txt":
+        named = [f"{flag} {value!r}" for flag, value, default in (("--text-column", text_column, "text"),
+                 ("--id-column", id_column, "id"), ("--label-column", label_column, None)) if value != default]
+        if named:
+            raise InputError(f"{str(path)!r} holds one text per line and no columns, so {', '.join(named)} cannot "
+                             "apply; leave it out, or give a CSV / JSONL / Parquet file with those columns")
         return _iter_txt(path)
     if fmt == "csv":
         header = next(_csv_records(path), None)
