@@ -320,6 +320,10 @@ def _mask_plan(attention_mask, batch: int, num_queries: int, num_keys: int, devi
         return rest[1]
     allowed = _allowed(attention_mask, batch, num_queries, num_keys, device)
     hidden = ~allowed.any(dim=2)  # (B, 1, Lk): no query of the row sees it
+    # Keys hidden before the row's first seen one (a sliding window's, behind it) keep their places: which keys a
+    # query sees is its own window's doing, not the other queries' of the pass, and moving them would shift the
+    # later keys into other tiles than the one-at-a-time prompt's
+    hidden &= torch.cumsum(~hidden, dim=-1) > 0
     order = None
     if bool((hidden[..., :-1] & ~hidden[..., 1:]).any()):  # a hidden key in front of a visible one
         order = torch.sort(hidden.to(torch.uint8), dim=-1, stable=True).indices  # (B, 1, Lk)

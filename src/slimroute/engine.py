@@ -20,7 +20,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
 from slimroute.attention import segments
 from slimroute.batching import PaddingStats, pad_right, plan_batches
@@ -35,7 +34,7 @@ from slimroute.labels import (
     decision_margin,
     make_prediction,
 )
-from slimroute.prefix_cache import PrefixCache, continue_cache
+from slimroute.prefix_cache import PrefixCache, continue_cache, new_cache, smallest_window
 from slimroute.scoring import LabelScorer
 from slimroute.task import Prompt, Task
 
@@ -95,6 +94,7 @@ class Engine:
         self.scorer = LabelScorer(model.get_output_embeddings(), tokens)
         warm_up_vector_math()  # a model built without load_model: its first pass must round like every later one
         self.prefix = PrefixCache(model, self.prompt.prefix_ids) if self.config.prefix_cache else None
+        self._window = smallest_window(model.config)  # None: no sliding-window layer
         layers = decoder_layers(model)
         self._last_mlp = getattr(layers[-1], "mlp", None) if layers else None
         self.stats = EngineStats()  # totals over the engine's life
@@ -152,7 +152,6 @@ class Engine:
         item_ids, truncated = self.encode(texts)
         results: list[Prediction | None] = [None] * len(texts)
         lengths = [len(ids) for ids in item_ids]
-        cfg = self.config
         pending: list[tuple[list[int], torch.Tensor | None, object]] = []  # batches waiting for the label scorer
         waiting = 0  # their rows
 
@@ -174,8 +173,7 @@ class Engine:
             pending.clear()
             waiting = 0
 
-        for batch in plan_batches(lengths, cfg.batch_size, cfg.max_batch_tokens, cfg.sort, cfg.max_padding,
-                                  cfg.batch_overhead_tokens):
+        for batch in self._batches(lengths):
             try:
                 rows, done = self._score_batch([item_ids[i] for i in batch])
             except BaseException:
@@ -197,6 +195,22 @@ class Engine:
         self.stats.merge(run)
         return results
 
+    def _batches(self, lengths: list[int]):
+        """plan_batches, except that with a sliding-window layer (Gemma 2 and 3) a batch whose columns reach past the
+        smallest window goes one row at a time. The window counts cache columns, not a row's own positions: behind
+        right padding a label's continuation query sits at the batch's last column, where it would lose keys of a
+        shorter row that the row alone still sees. Within the window every key is seen either way."""
+        cfg = self.config
+        batches = plan_batches(lengths, cfg.batch_size, cfg.max_batch_tokens, cfg.sort, cfg.max_padding,
+                               cfg.batch_overhead_tokens)
+        longest_label = max((len(ids) for ids in self.label_ids), default=1)
+        for batch in batches:
+            span = (self.prefix.length if self.prefix else 0) + max(lengths[i] for i in batch) + longest_label
+            if self._window is not None and len(batch) > 1 and span > self._window:
+                yield from ([i] for i in batch)
+            else:
+                yield batch
+
     def _decide(self, text: str, lps, num_tokens: int, truncated: bool, run: EngineStats | None = None) -> Prediction:
         cfg = self.config
         if cfg.recheck_margin is not None:
@@ -216,9 +230,7 @@ class Engine:
         item_ids, _ = self.encode(texts)
         lengths = [len(ids) for ids in item_ids]
         rows: list[torch.Tensor | None] = [None] * len(texts)
-        cfg = self.config
-        for batch in plan_batches(lengths, cfg.batch_size, cfg.max_batch_tokens, cfg.sort, cfg.max_padding,
-                                  cfg.batch_overhead_tokens):
+        for batch in self._batches(lengths):
             last, views, state = self._forward([item_ids[i] for i in batch], states, layers)  # (B, H), (B, F')
             label_lps = label_totals(self._label_logprobs(last, *state)) if with_label_logprobs else None
             for i, row in zip(batch, head_features(views, label_lps), strict=True):  # (B, F)
@@ -252,7 +264,7 @@ class Engine:
         input_ids, item_mask, lengths = input_ids.to(self.device), item_mask.to(self.device), lengths.to(self.device)
         batch, width = input_ids.shape
         offset = self.prefix.length if self.prefix else 0
-        cache = self.prefix.expand(batch) if self.prefix else DynamicCache(config=self.model.config)
+        cache = self.prefix.expand(batch) if self.prefix else new_cache(self.model.config)
         prefix_mask = torch.ones(batch, offset, dtype=item_mask.dtype, device=self.device)
         mask = torch.cat([prefix_mask, item_mask], dim=1)  # (B, P + L)
         positions = offset + torch.arange(width, device=self.device).expand(batch, -1)  # (B, L)

@@ -16,20 +16,37 @@ class PrefixCache:
         self._layers: list[tuple[torch.Tensor, torch.Tensor]] = []
         if prefix_ids:
             device = next(model.parameters()).device
-            cache = DynamicCache(config=model.config)
+            cache = new_cache(model.config)
             with torch.inference_mode():
                 model.base_model(input_ids=torch.tensor([prefix_ids], device=device), cache=cache, use_cache=True)
             self._layers = [(layer.keys, layer.values) for layer in cache.layers]  # (1, H, P, D)
 
     def expand(self, batch_size: int) -> DynamicCache:
         """A fresh cache for a batch; filling it copies, so the shared prefix is never modified."""
-        if not self._layers:
-            return DynamicCache(config=self.model.config)
         data = [(k.expand(batch_size, -1, -1, -1), v.expand(batch_size, -1, -1, -1)) for k, v in self._layers]
-        return DynamicCache(ddp_cache_data=data, config=self.model.config)
+        return new_cache(self.model.config, data)
 
     def tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return self._layers
+
+
+def new_cache(config, data=None) -> DynamicCache:
+    """A cache (empty, or holding data: [(keys, values)] per layer) whose every layer keeps all its keys. A
+    sliding-window layer's own cache (Gemma 2 and 3, Mistral's) drops the keys before its window by position, for the
+    whole batch at once, where right-padded rows of other lengths and the labels' continuation passes still need
+    them; the window is kept by the attention mask, which the model makes from the config either way."""
+    cache = DynamicCache(config=config)
+    cache.layers = [DynamicLayer() if getattr(layer, "is_sliding", False) else layer for layer in cache.layers]
+    for layer, (keys, values) in zip(cache.layers, data or (), strict=False):
+        layer.update(keys, values)
+    return cache
+
+
+def smallest_window(config) -> int | None:
+    """The smallest sliding window among the model's attention layers, as transformers reads the config (None: every
+    layer attends to all keys)."""
+    windows = [layer.sliding_window for layer in DynamicCache(config=config).layers if getattr(layer, "is_sliding", 0)]
+    return min(windows) if windows else None
 
 
 def continue_cache(cache: DynamicCache, config, repeats: int = 1, shared: list | None = None) -> DynamicCache:
@@ -42,9 +59,9 @@ def continue_cache(cache: DynamicCache, config, repeats: int = 1, shared: list |
     batch-invariant one (attention.py): its layers then hand attention the new keys alone, marked with the cached
     ones (attention.CachedKeys, tiled once per batch and kept in the list), instead of a copy of both."""
     layers = list(cache.layers)
-    if not all(type(layer) is DynamicLayer for layer in layers):  # sliding windows...: what their own update does
+    if not all(type(layer) is DynamicLayer for layer in layers):  # another kind of cache layer: its own update
         data = [(layer.keys.repeat(repeats, 1, 1, 1), layer.values.repeat(repeats, 1, 1, 1)) for layer in layers]
-        return DynamicCache(ddp_cache_data=data, config=config)
+        return new_cache(config, data)
     if shared is not None and getattr(config, "_attn_implementation", None) == attention.NAME:
         if not shared:
             shared.extend(attention.CachedKeys(layer.keys, layer.values) for layer in layers)
