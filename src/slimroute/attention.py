@@ -77,7 +77,12 @@ def _tiles(x: torch.Tensor, length: int, tile: int = TILE) -> torch.Tensor:
 
 def invariant_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """query (B, H, Lq, D); key, value (B, Hkv, Lk, D); attention_mask (B, 1, Lq, Lk), True where a query may
-    attend (an additive float mask, 0 where allowed, works too). Returns ((B, Lq, H, D), None)."""
+    attend (an additive float mask, 0 where allowed, works too). Returns ((B, Lq, H, D), None). softcap (Gemma 2):
+    the scores go through softcap * tanh(scores / softcap) before the mask, as in the model's own attention."""
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("the batch-invariant attention has no attention sinks (s_aux); load this model "
+                                  "with --dtype float32 or bfloat16")
+    scaling = (scaling, kwargs.get("softcap"))
     starts, continuation = _SEGMENTS.get()
     cached: CachedKeys | None = getattr(key, CachedKeys.MARK, None)  # a continuation pass's new keys only
     cache = key.shape[2] + (cached.length if cached else 0) - query.shape[2]  # the keys before the first query
@@ -344,7 +349,9 @@ def _mask_plan(attention_mask, batch: int, num_queries: int, num_keys: int, devi
 
 def _attend(q_tiles, tiles, nk: int, bias, scaling) -> torch.Tensor:
     """Queries (B, Hkv, G, c, Tq, D) against the first nk key tiles (tiles.key(j): (B, Hkv, D, T), transposed;
-    tiles.value(j): (B, Hkv, T, D)), bias (B, 1, c, 1, Tq, nk * T) -> (B, Hkv, c, G, Tq, D)."""
+    tiles.value(j): (B, Hkv, T, D)), bias (B, 1, c, 1, Tq, nk * T) -> (B, Hkv, c, G, Tq, D). scaling: (the scores'
+    scale, the soft cap or None)."""
+    scaling, softcap = scaling
     batch, kv_heads, groups, c, q_tile, head_dim = q_tiles.shape
     q = q_tiles.transpose(2, 3).reshape(batch, kv_heads, c, groups * q_tile, head_dim)  # G heads x Tq positions
     # scores tile by tile, one key tile at a time, straight into (query, key) order
@@ -352,7 +359,10 @@ def _attend(q_tiles, tiles, nk: int, bias, scaling) -> torch.Tensor:
     for j in range(nk):
         scores[:, :, :, :, j] = _tile_scores(q, tiles.key(j)[:, :, None])
     # 3. softmax over padded key rows (masked keys: -inf added, exact zeros after it)
-    scores = scores.view(batch, kv_heads, c, groups, q_tile, nk * TILE).mul_(scaling).add_(bias)
+    scores = scores.view(batch, kv_heads, c, groups, q_tile, nk * TILE).mul_(scaling)
+    if softcap is not None:  # elementwise: each score's bits its own
+        scores.div_(softcap).tanh_().mul_(softcap)
+    scores.add_(bias)
     probs = torch.softmax(scores, dim=-1).view(batch, kv_heads, c, groups * q_tile, nk, TILE)
     # 4. per-tile weighted sums, added in key order: out = p_0 @ v_0, then out += p_j @ v_j in the GEMM's epilogue
     # (baddbmm_: no product tensor; the same bits as adding it, 9% less time on captured real shapes)

@@ -91,7 +91,8 @@ class Engine:
         self._runs, where = continuation_runs(self.label_ids)  # where: each context's (run, position) in the runs
         self._context_states = list(where.values())
         self._context_index = {context: i for i, context in enumerate(where)}
-        self.scorer = LabelScorer(model.get_output_embeddings(), tokens)
+        softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+        self.scorer = LabelScorer(model.get_output_embeddings(), tokens, softcap)
         warm_up_vector_math()  # a model built without load_model: its first pass must round like every later one
         self.prefix = PrefixCache(model, self.prompt.prefix_ids) if self.config.prefix_cache else None
         self._window = smallest_window(model.config)  # None: no sliding-window layer

@@ -211,6 +211,8 @@ def set_attention(model: nn.Module, attention: str = "auto") -> str:
     param = next(model.parameters())
     int8 = any(isinstance(m, Int8Linear) for m in model.modules())
     used = pick_attention(param.device, param.dtype, attention, int8)
+    if used == "sdpa" and not getattr(model, "_supports_sdpa", True):
+        used = "eager"  # Gemma 2: torch's sdpa cannot soft-cap its scores
     if used == "invariant":
         from slimroute.attention import register
 

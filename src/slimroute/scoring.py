@@ -12,8 +12,12 @@ import torch
 
 
 class LabelScorer:
-    def __init__(self, lm_head: torch.nn.Module, token_ids: list[int]):
+    """softcap: the model's final logit soft-capping (Gemma 2's final_logit_softcapping), applied as its forward
+    applies it, in the head's dtype, before the log-softmax."""
+
+    def __init__(self, lm_head: torch.nn.Module, token_ids: list[int], softcap: float | None = None):
         self.head = lm_head
+        self.softcap = softcap
         self.token_ids = sorted(set(token_ids))
         self.column = {tok: j for j, tok in enumerate(self.token_ids)}
         weight = getattr(lm_head, "weight", None)  # None: output_head.RowBlockedLinear holding a compact weight
@@ -22,5 +26,7 @@ class LabelScorer:
 
     def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, H) hidden states -> (N, K) log-probs of the label tokens, columns as in `column`."""
-        logits = self.head(hidden.to(self.dtype)).float()  # (N, V)
-        return torch.log_softmax(logits, dim=-1).index_select(1, self.index)  # (N, K)
+        logits = self.head(hidden.to(self.dtype))  # (N, V)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return torch.log_softmax(logits.float(), dim=-1).index_select(1, self.index)  # (N, K)
