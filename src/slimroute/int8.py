@@ -54,8 +54,9 @@ ACTIVATIONS = {"fbgemm": (63, 0), "onednn": (127, 128)}
 FBGEMM_ZERO_POINT = 64
 # part of the cache key: change it when the cached numbers or keys change (v4: the smoothing pass, a process's first
 # forward, no longer meets a thread's first vector-math call: kernels.warm_up_vector_math; a v3 file made in an
-# unlucky process could hold other factors)
-SCHEME = f"w{WEIGHT_MAX}-smooth-v4"
+# unlucky process could hold other factors; v5: a fold only where it is exact, so a Gemma or Olmo 2 file made
+# before holds wrong factors; Qwen2 / Llama factors are the same)
+SCHEME = f"w{WEIGHT_MAX}-smooth-v5"
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,12 @@ time:
   down_proj: into up_proj's rows (the MLP's activation is silu(gate) * up).
 The activation maxima come from one fp32 pass over fixed calibration prompts (CALIBRATION), not from the user's
 data, so the int8 weights are a function of the checkpoint alone and can be cached.
+
+Each fold is made only where it is exact for the model at hand (other architectures than Qwen2 / Llama): a norm is
+folded into only when its output is the layers' very input in the calibration pass (Olmo 2 has no norm in front of
+q/k/v; Gemma 2 and 3 put pre_feedforward_layernorm, not post_attention_layernorm, before the MLP) and dividing its
+weight divides its output (not Gemma's x * (1 + weight)); up_proj's rows only when the MLP's output is unchanged
+(checked on a few rows). A group whose fold does not hold is quantised as it is.
 """
 
 from __future__ import annotations
@@ -52,8 +58,14 @@ def _input_maxima(model: nn.Module, tokenizer) -> dict[nn.Module, torch.Tensor]:
         x = args[0].detach().reshape(-1, args[0].shape[-1]).abs().amax(dim=0).float()
         maxima[module] = torch.maximum(maxima[module], x) if module in maxima else x
 
+    def record_output(module, args, output):
+        out = output[0] if isinstance(output, tuple) else output
+        x = out.detach().reshape(-1, out.shape[-1]).abs().amax(dim=0).float()
+        maxima[module] = torch.maximum(maxima[module], x) if module in maxima else x
+
     hooks = [m.register_forward_pre_hook(record) for layer in _layers(model) for m in layer.modules()
              if isinstance(m, nn.Linear)]
+    hooks += [norm.register_forward_hook(record_output) for layer in _layers(model) for norm in _norms(layer)]
     device = next(model.parameters()).device
     try:
         for text in CALIBRATION:
@@ -69,6 +81,54 @@ def _input_maxima(model: nn.Module, tokenizer) -> dict[nn.Module, torch.Tensor]:
         for hook in hooks:
             hook.remove()
     return maxima
+
+
+def _norms(layer: nn.Module) -> list[nn.Module]:
+    """The layer's own norms: its direct children, other than attention and MLP, with a weight vector."""
+    return [module for name, module in layer.named_children() if name not in ("self_attn", "mlp")
+            and isinstance(getattr(module, "weight", None), torch.Tensor) and module.weight.dim() == 1]
+
+
+def _feeding_norm(layer: nn.Module, linear: nn.Linear, maxima: dict) -> nn.Module | None:
+    """The norm whose output was exactly `linear`'s input throughout the calibration pass, or None."""
+    for norm in _norms(layer):
+        if norm in maxima and linear in maxima and torch.equal(maxima[norm], maxima[linear]):
+            return norm
+    return None
+
+
+@torch.no_grad()
+def _divides_output(norm: nn.Module, weight: torch.Tensor, s: torch.Tensor) -> bool:
+    """Whether `norm` with `weight` gives its old output divided by s (y = weight * f(x), as Llama's RMSNorm)."""
+    x = torch.randn(4, norm.weight.shape[0], generator=torch.Generator().manual_seed(0))
+    x = x.to(norm.weight.device, norm.weight.dtype)
+    old = norm.weight.detach().clone()
+    before = norm(x).float()
+    norm.weight.copy_(weight)
+    try:
+        after = norm(x).float()
+    finally:
+        norm.weight.copy_(old)
+    return torch.allclose(after * s, before, rtol=1e-4, atol=1e-6)
+
+
+@torch.no_grad()
+def _mlp_unchanged(mlp: nn.Module, s: torch.Tensor) -> bool:
+    """Whether dividing up_proj's rows by s and multiplying down_proj's columns by s leaves the MLP's output."""
+    up, down = mlp.up_proj, mlp.down_proj
+    x = torch.randn(4, up.in_features, generator=torch.Generator().manual_seed(0)).to(up.weight)
+    saved = [p.detach().clone() for p in (up.weight, up.bias, down.weight) if p is not None]
+    before = mlp(x).float()
+    up.weight.div_(s[:, None].to(up.weight))
+    if up.bias is not None:
+        up.bias.div_(s.to(up.bias))
+    down.weight.mul_(s[None, :].to(down.weight))
+    try:
+        after = mlp(x).float()
+    finally:
+        for param, value in zip([p for p in (up.weight, up.bias, down.weight) if p is not None], saved, strict=True):
+            param.copy_(value)
+    return bool((after - before).norm() <= 1e-4 * before.norm() + 1e-6)
 
 
 def _factor(x_max: torch.Tensor, w_max: torch.Tensor) -> torch.Tensor:
@@ -94,26 +154,33 @@ def smoothing_factors(model: nn.Module, tokenizer) -> tuple[dict[str, tuple], di
     params: dict[str, torch.Tensor] = {}
     for layer in _layers(model):
         attn, mlp = layer.self_attn, layer.mlp
-        for norm, linears in ((layer.input_layernorm, (attn.q_proj, attn.k_proj, attn.v_proj)),
-                              (layer.post_attention_layernorm, (mlp.gate_proj, mlp.up_proj))):
+        for linears in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
+            norm = _feeding_norm(layer, linears[0], maxima)
+            if norm is None:
+                continue
             s = _factor(maxima[linears[0]], _column_max(*linears))
-            params[f"{names[norm]}.weight"] = norm.weight.detach().float() / s
+            weight = norm.weight.detach().float() / s
+            if not _divides_output(norm, weight, s):
+                continue
+            params[f"{names[norm]}.weight"] = weight
             for lin in linears:
                 factors[names[lin]] = (s, None)
         # o_proj: one factor per value channel; query heads sharing a key/value head share it
         groups, head_dim = attn.o_proj.in_features // attn.v_proj.out_features, attn.head_dim
         t = _factor(_per_kv(maxima[attn.o_proj], groups, head_dim), _per_kv(_column_max(attn.o_proj), groups, head_dim))
         expanded = t.view(-1, 1, head_dim).expand(-1, groups, head_dim).reshape(-1)  # (Hkv*D,) -> (H*D,)
-        factors[names[attn.v_proj]] = (factors[names[attn.v_proj]][0], t)
-        factors[names[attn.o_proj]] = (expanded, None)
-        if attn.v_proj.bias is not None:
-            params[f"{names[attn.v_proj]}.bias"] = attn.v_proj.bias.detach().float() / t
+        if getattr(attn, "v_norm", None) is None:  # a norm on the values would undo the fold
+            factors[names[attn.v_proj]] = (factors.get(names[attn.v_proj], (None,))[0], t)
+            factors[names[attn.o_proj]] = (expanded, None)
+            if attn.v_proj.bias is not None:
+                params[f"{names[attn.v_proj]}.bias"] = attn.v_proj.bias.detach().float() / t
         # down_proj: into up_proj's rows
         s = _factor(maxima[mlp.down_proj], _column_max(mlp.down_proj))
-        factors[names[mlp.up_proj]] = (factors[names[mlp.up_proj]][0], s)
-        factors[names[mlp.down_proj]] = (s, None)
-        if mlp.up_proj.bias is not None:
-            params[f"{names[mlp.up_proj]}.bias"] = mlp.up_proj.bias.detach().float() / s
+        if _mlp_unchanged(mlp, s):
+            factors[names[mlp.up_proj]] = (factors.get(names[mlp.up_proj], (None,))[0], s)
+            factors[names[mlp.down_proj]] = (s, None)
+            if mlp.up_proj.bias is not None:
+                params[f"{names[mlp.up_proj]}.bias"] = mlp.up_proj.bias.detach().float() / s
     return factors, params
 
 
