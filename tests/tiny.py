@@ -5,12 +5,18 @@ from __future__ import annotations
 import functools
 
 import torch
+import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+NO_SYSTEM = (  # Gemma 2's: no system turn
+    "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>model\n{% endif %}"
 )
 LLAMA3 = (
     "<|begin_of_text|>{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
@@ -43,19 +49,32 @@ def _tokenizer_json(style: str) -> str:
 
 
 def tiny_tokenizer(style: str = "chatml") -> PreTrainedTokenizerFast:
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_tokenizer_json(style)))
-    if style == "chatml":
+    """style: chatml, no-system (ChatML tokens, a template that refuses a system turn, as Gemma 2's) or llama3."""
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_tokenizer_json(
+        "llama3" if style == "llama3" else "chatml")))
+    if style in ("chatml", "no-system"):
         tok.add_special_tokens({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
-        tok.chat_template = CHATML
+        tok.chat_template = CHATML if style == "chatml" else NO_SYSTEM
     else:
         tok.add_special_tokens({"eos_token": "<|eot_id|>", "pad_token": "<|end_of_text|>"})
         tok.chat_template = LLAMA3
     return tok
 
 
+# Other decoders, each with what sets it apart: (config class, model class, config extras). Their windows are shorter
+# than the test texts, so the sliding layers cut.
+OTHER_ARCHS = {
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",  # soft-capped scores and logits, (1 + w) norms, no sdpa
+               dict(head_dim=8, sliding_window=16, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(head_dim=8, sliding_window=16)),  # q/k norms too
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),  # norms after attention and MLP, none in front
+}
+
+
 def tiny_model(arch: str = "qwen2", seed: int = 0, dtype=torch.float32):
-    """(model, tokenizer): qwen2 uses a ChatML template, llama a Llama-3 style one."""
-    tok = tiny_tokenizer("chatml" if arch == "qwen2" else "llama3")
+    """(model, tokenizer): qwen2 uses a ChatML template, llama a Llama-3 style one; OTHER_ARCHS a ChatML one (gemma2:
+    one without a system turn, as Gemma 2's)."""
+    tok = tiny_tokenizer("llama3" if arch == "llama" else "no-system" if arch == "gemma2" else "chatml")
     common = dict(
         vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
@@ -66,6 +85,10 @@ def tiny_model(arch: str = "qwen2", seed: int = 0, dtype=torch.float32):
         model = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, **common))
     elif arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **common))
+    elif arch in OTHER_ARCHS:
+        config_class, model_class, extra = OTHER_ARCHS[arch]
+        ids = dict(bos_token_id=None, eos_token_id=tok.eos_token_id)
+        model = getattr(transformers, model_class)(getattr(transformers, config_class)(**common, **ids, **extra))
     else:
         raise ValueError(f"unknown tiny arch {arch!r}")
     return model.to(dtype).eval(), tok

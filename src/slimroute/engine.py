@@ -197,20 +197,22 @@ class Engine:
         return results
 
     def _batches(self, lengths: list[int]):
-        """plan_batches, except that with a sliding-window layer (Gemma 2 and 3) a batch whose columns reach past the
-        smallest window goes one row at a time. The window counts cache columns, not a row's own positions: behind
-        right padding a label's continuation query sits at the batch's last column, where it would lose keys of a
-        shorter row that the row alone still sees. Within the window every key is seen either way."""
+        """plan_batches, except that with a sliding-window layer (Gemma 2 and 3) the rows of a batch whose columns
+        would reach past the smallest window go one at a time. The window counts cache columns, not a row's own
+        positions: behind right padding a label's continuation query sits at the batch's last column, where it would
+        lose keys of a shorter row that the row alone still sees. Within the window every key is seen either way."""
         cfg = self.config
         batches = plan_batches(lengths, cfg.batch_size, cfg.max_batch_tokens, cfg.sort, cfg.max_padding,
                                cfg.batch_overhead_tokens)
-        longest_label = max((len(ids) for ids in self.label_ids), default=1)
+        if self._window is None:
+            yield from batches
+            return
+        room = self._window - (self.prefix.length if self.prefix else 0) - max(map(len, self.label_ids), default=1)
         for batch in batches:
-            span = (self.prefix.length if self.prefix else 0) + max(lengths[i] for i in batch) + longest_label
-            if self._window is not None and len(batch) > 1 and span > self._window:
-                yield from ([i] for i in batch)
-            else:
-                yield batch
+            fits = [i for i in batch if lengths[i] <= room] if len(batch) > 1 else batch
+            if fits:
+                yield fits
+            yield from ([i] for i in batch if i not in fits)
 
     def _decide(self, text: str, lps, num_tokens: int, truncated: bool, run: EngineStats | None = None) -> Prediction:
         cfg = self.config

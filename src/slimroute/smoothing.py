@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from slimroute.task import chat_prompt, encode
+
 ALPHA = 0.5
 CALIBRATION = (
     "I was charged twice for my subscription this month and need a refund.",
@@ -72,8 +74,7 @@ def _input_maxima(model: nn.Module, tokenizer) -> dict[nn.Module, torch.Tensor]:
             messages = [{"role": "system", "content": "Classify the text into one category."},
                         {"role": "user", "content": text}]
             if getattr(tokenizer, "chat_template", None):
-                ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-                ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+                ids = encode(tokenizer, chat_prompt(tokenizer, messages))
             else:
                 ids = tokenizer(text)["input_ids"]
             model.base_model(input_ids=torch.tensor([list(ids)], device=device), use_cache=False)

@@ -189,7 +189,22 @@ def load_task_file(path: str | Path) -> dict:
 
 def render_prompt(tokenizer, task: Task, text: str) -> str:
     """The whole prompt string, up to and including the start of the assistant turn."""
-    return tokenizer.apply_chat_template(task.messages(text), tokenize=False, add_generation_prompt=True)
+    return chat_prompt(tokenizer, task.messages(text))
+
+
+def chat_prompt(tokenizer, messages: list[dict]) -> str:
+    """messages through the tokenizer's chat template, up to and including the start of the assistant turn. A
+    template without a system turn (Gemma 2's refuses one) gets the system prompt at the top of the first user
+    turn, as Gemma 3's template puts it there itself."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except TemplateError:
+        if len(messages) < 2 or messages[0]["role"] != "system":
+            raise
+    first = {"role": "user", "content": f"{messages[0]['content']}\n\n{messages[1]['content']}"}
+    return tokenizer.apply_chat_template([first, *messages[2:]], tokenize=False, add_generation_prompt=True)
 
 
 def encode(tokenizer, text: str) -> list[int]:

@@ -1,0 +1,118 @@
+"""Decoders other than Qwen2 and Llama, each with what sets it apart (tiny.OTHER_ARCHS): Gemma 2 (soft-capped scores
+and logits, sliding windows, (1 + w) norms, no sdpa, no system turn), Gemma 3 (sliding windows, q/k norms) and
+Olmo 2 (norms after attention and MLP). The fast path equals the reference in fp32 and, bit for bit, in int8;
+int8's smoothing changes nothing in exact arithmetic."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+import torch
+from test_equivalence import assert_equal
+from tiny import OTHER_ARCHS, make_text, tiny_model
+
+from slimroute.config import EngineConfig
+from slimroute.cpu import detect, int8_kernels_available
+from slimroute.engine import Engine
+from slimroute.kernels import set_attention
+from slimroute.prefix_cache import smallest_window
+from slimroute.reference import ReferenceClassifier
+from slimroute.smoothing import smoothed_weight, smoothing_factors
+from slimroute.task import Example, Task, render_prompt
+
+ARCHS = sorted(OTHER_ARCHS)
+LABELS = ("Technical Support", "Technical Sales", "billing", "account")  # shared first token, multi-token
+TEXTS = [make_text(random.Random(i), n) for i, n in enumerate((1, 5, 30, 90, 12, 3, 44, 8))]  # windows are 16
+needs_int8 = pytest.mark.skipif(not int8_kernels_available(detect()),
+                                reason=f"int8 needs x86 AVX2 and torch's fbgemm kernels; this is {detect().describe()}")
+
+
+@functools.cache
+def fp32_model(arch: str):
+    model, tok = tiny_model(arch)
+    set_attention(model)
+    return model, tok
+
+
+@functools.cache
+def int8_model(arch: str):
+    from slimroute.int8 import quantize_model
+
+    model, tok = tiny_model(arch)
+    quantize_model(model, tokenizer=tok)  # with smoothing, as load_model does
+    assert set_attention(model) == "invariant"
+    return model, tok
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("prefix_cache", [True, False], ids=["prefix", "no-prefix"])
+def test_fast_path_equals_the_reference_in_fp32(arch, prefix_cache):
+    model, tok = fp32_model(arch)
+    task = Task(LABELS, examples=(Example("refund my card", "billing"),))
+    ref = ReferenceClassifier(model, tok, task).classify(TEXTS)
+    for batch_size in (1, 4):
+        config = EngineConfig(batch_size=batch_size, prefix_cache=prefix_cache)
+        assert_equal(ref, Engine(model, tok, task, config).classify(TEXTS))
+
+
+@needs_int8
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("prefix_cache", [True, False], ids=["prefix", "no-prefix"])
+def test_int8_fast_path_gives_the_int8_references_bits(arch, prefix_cache):
+    model, tok = int8_model(arch)
+    task = Task(LABELS)
+    ref = ReferenceClassifier(model, tok, task).classify(TEXTS)
+    for batch_size in (1, 3, 8):
+        fast = Engine(model, tok, task, EngineConfig(batch_size=batch_size, prefix_cache=prefix_cache)).classify(TEXTS)
+        assert [p.logprobs for p in fast] == [p.logprobs for p in ref]  # bitwise
+
+
+@pytest.mark.parametrize("arch", [*ARCHS, "qwen2", "llama"])
+def test_smoothing_changes_nothing_in_exact_arithmetic(arch):
+    """Where a fold would not cancel (Gemma's (1 + w) norms, Olmo 2's missing pre-norms) it is left out."""
+    model, tok = tiny_model(arch)
+    ids = torch.tensor([tok("refund my card please, the app crash after login")["input_ids"]])
+    with torch.no_grad():
+        before = model(ids).logits
+        factors, params = smoothing_factors(model, tok)
+        assert factors  # v_proj/o_proj and up_proj/down_proj fold in every one of them
+        for name, module in model.named_modules():
+            if name in factors:
+                module.weight.copy_(smoothed_weight(module.weight, factors[name]))
+        for name, value in params.items():
+            model.get_parameter(name).copy_(value)
+        after = model(ids).logits
+    assert torch.allclose(before, after, atol=1e-4), (arch, (before - after).abs().max())
+    norms = {name.rsplit(".", 2)[-2] for name in params if name.endswith("norm.weight")}
+    assert norms == {"qwen2": {"input_layernorm", "post_attention_layernorm"},
+                     "llama": {"input_layernorm", "post_attention_layernorm"}}.get(arch, set())
+
+
+def test_what_sets_each_apart_is_seen():
+    """The windows, the soft caps and the missing sdpa the tests above rely on."""
+    gemma2, _ = fp32_model("gemma2")
+    assert smallest_window(gemma2.config) == 16 and smallest_window(fp32_model("olmo2")[0].config) is None
+    assert gemma2.config._attn_implementation == "eager"  # torch's sdpa cannot soft-cap
+    assert fp32_model("gemma3")[0].config._attn_implementation == "sdpa"
+
+
+def test_a_batch_reaching_past_a_sliding_window_goes_row_by_row():
+    model, tok = fp32_model("gemma3")
+    engine = Engine(model, tok, Task(LABELS), EngineConfig(batch_size=8, batch_overhead_tokens=10**6))  # full
+    engine._window = engine.prefix.length + 20  # the tiny prefix alone is longer than the model's 16
+    fits = 20 - max(len(ids) for ids in engine.label_ids)  # the longest item a batch may hold
+    batches = list(engine._batches([1, 2, fits, fits + 1, 40]))
+    assert sorted(map(sorted, batches)) == [[0, 1, 2], [3], [4]]
+    engine._window = None  # no sliding layer: one batch
+    assert list(engine._batches([1, 2, fits, fits + 1, 40])) == [[0, 1, 2, 3, 4]]
+
+
+def test_a_template_without_a_system_turn_gets_the_instructions_in_the_first_user_turn():
+    _, tok = tiny_model("gemma2")
+    plain = render_prompt(tok, Task(("billing", "technical")), "I was charged")
+    assert plain.startswith("<|im_start|>user\nClassify the support ticket") and "system" not in plain
+    assert plain.endswith("billing, technical.\n\nI was charged<|im_end|>\n<|im_start|>model\n")
+    shots = render_prompt(tok, Task(("billing", "technical"), examples=(Example("refund me", "billing"),)), "hi")
+    assert "technical.\n\nrefund me<|im_end|>\n<|im_start|>model\nbilling<|im_end|>\n<|im_start|>user\nhi" in shots
