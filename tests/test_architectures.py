@@ -1,7 +1,7 @@
 """Decoders other than Qwen2 and Llama, each with what sets it apart (tiny.OTHER_ARCHS): Gemma 2 (soft-capped scores
-and logits, sliding windows, (1 + w) norms, no sdpa, no system turn), Gemma 3 (sliding windows, q/k norms) and
-Olmo 2 (norms after attention and MLP). The fast path equals the reference in fp32 and, bit for bit, in int8;
-int8's smoothing changes nothing in exact arithmetic."""
+and logits, sliding windows, (1 + w) norms, no sdpa, no system turn), Gemma 3 (sliding windows, q/k norms), Olmo 2
+(norms after attention and MLP) and Granite (logits divided by logits_scaling). The fast path equals the reference
+in fp32 and, bit for bit, in int8; int8's smoothing changes nothing in exact arithmetic."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from slimroute.engine import Engine
 from slimroute.kernels import set_attention
 from slimroute.prefix_cache import smallest_window
 from slimroute.reference import ReferenceClassifier
+from slimroute.scoring import logit_transform
 from slimroute.smoothing import smoothed_weight, smoothing_factors
 from slimroute.task import Example, Task, render_prompt
 
@@ -86,8 +87,8 @@ def test_smoothing_changes_nothing_in_exact_arithmetic(arch):
         after = model(ids).logits
     assert torch.allclose(before, after, atol=1e-4), (arch, (before - after).abs().max())
     norms = {name.rsplit(".", 2)[-2] for name in params if name.endswith("norm.weight")}
-    assert norms == {"qwen2": {"input_layernorm", "post_attention_layernorm"},
-                     "llama": {"input_layernorm", "post_attention_layernorm"}}.get(arch, set())
+    pre_norms = arch in ("qwen2", "llama", "granite")  # Llama's layout; Gemma's (1 + w) and Olmo 2's are not
+    assert norms == ({"input_layernorm", "post_attention_layernorm"} if pre_norms else set())
 
 
 def test_what_sets_each_apart_is_seen():
@@ -116,3 +117,24 @@ def test_a_template_without_a_system_turn_gets_the_instructions_in_the_first_use
     assert plain.endswith("billing, technical.\n\nI was charged<|im_end|>\n<|im_start|>model\n")
     shots = render_prompt(tok, Task(("billing", "technical"), examples=(Example("refund me", "billing"),)), "hi")
     assert "technical.\n\nrefund me<|im_end|>\n<|im_start|>model\nbilling<|im_end|>\n<|im_start|>user\nhi" in shots
+
+
+def test_the_scorer_transforms_logits_as_the_models_forward_does():
+    from transformers import CohereConfig, Gemma2Config, GraniteConfig, Qwen2Config
+
+    logits = torch.tensor([[-40.0, 0.5, 12.0]])
+    assert logit_transform(Qwen2Config()) is None
+    assert torch.equal(logit_transform(Gemma2Config(final_logit_softcapping=30.0))(logits),
+                       torch.tanh(logits / 30.0) * 30.0)
+    assert torch.equal(logit_transform(GraniteConfig(logits_scaling=8.0))(logits), logits / 8.0)
+    assert torch.equal(logit_transform(CohereConfig(logit_scale=0.0625))(logits), logits * 0.0625)
+
+
+def test_a_model_whose_logits_the_scorer_cannot_reproduce_is_refused(monkeypatch):
+    """Rather than answering with log-probs that are not the model's (what Gemma 2 got before its soft cap)."""
+    import slimroute.scoring as scoring
+
+    model, tok = fp32_model("gemma2")
+    monkeypatch.setattr(scoring, "logit_transform", lambda config: None)  # as if the soft cap were unknown
+    with pytest.raises(ValueError, match=r"label scorer does not reproduce this model's log-probabilities \(gemma2"):
+        Engine(model, tok, Task(LABELS))

@@ -68,6 +68,7 @@ OTHER_ARCHS = {
                dict(head_dim=8, sliding_window=16, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(head_dim=8, sliding_window=16)),  # q/k norms too
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),  # norms after attention and MLP, none in front
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(logits_scaling=4.0, residual_multiplier=0.5)),  # logits / 4
 }
 
 

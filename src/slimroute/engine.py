@@ -35,7 +35,7 @@ from slimroute.labels import (
     make_prediction,
 )
 from slimroute.prefix_cache import PrefixCache, continue_cache, new_cache, smallest_window
-from slimroute.scoring import LabelScorer
+from slimroute.scoring import LabelScorer, check_scorer
 from slimroute.task import Prompt, Task
 
 SCORER_ROWS = 64  # rows per label-scorer call, gathered over small batches: its vocabulary-wide GEMM reads the
@@ -91,9 +91,9 @@ class Engine:
         self._runs, where = continuation_runs(self.label_ids)  # where: each context's (run, position) in the runs
         self._context_states = list(where.values())
         self._context_index = {context: i for i, context in enumerate(where)}
-        softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
-        self.scorer = LabelScorer(model.get_output_embeddings(), tokens, softcap)
+        self.scorer = LabelScorer(model.get_output_embeddings(), tokens, model.config)
         warm_up_vector_math()  # a model built without load_model: its first pass must round like every later one
+        check_scorer(model, self.scorer, self.prompt.prefix_ids[-8:] or [self.pad_id])
         self.prefix = PrefixCache(model, self.prompt.prefix_ids) if self.config.prefix_cache else None
         self._window = smallest_window(model.config)  # None: no sliding-window layer
         layers = decoder_layers(model)

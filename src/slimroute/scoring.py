@@ -8,16 +8,18 @@ arithmetic as the reference's, so a batch-invariant head (output_head.RowBlocked
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
 class LabelScorer:
-    """softcap: the model's final logit soft-capping (Gemma 2's final_logit_softcapping), applied as its forward
-    applies it, in the head's dtype, before the log-softmax."""
+    """config: the model's, for what its forward does to the output head's logits before anyone reads them
+    (logit_transform); the scorer does the same, in the head's dtype, before the log-softmax."""
 
-    def __init__(self, lm_head: torch.nn.Module, token_ids: list[int], softcap: float | None = None):
+    def __init__(self, lm_head: torch.nn.Module, token_ids: list[int], config=None):
         self.head = lm_head
-        self.softcap = softcap
+        self.transform = logit_transform(config) if config is not None else None
         self.token_ids = sorted(set(token_ids))
         self.column = {tok: j for j, tok in enumerate(self.token_ids)}
         weight = getattr(lm_head, "weight", None)  # None: output_head.RowBlockedLinear holding a compact weight
@@ -27,6 +29,39 @@ class LabelScorer:
     def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, H) hidden states -> (N, K) log-probs of the label tokens, columns as in `column`."""
         logits = self.head(hidden.to(self.dtype))  # (N, V)
-        if self.softcap is not None:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
+        if self.transform is not None:
+            logits = self.transform(logits)
         return torch.log_softmax(logits.float(), dim=-1).index_select(1, self.index)  # (N, K)
+
+
+def logit_transform(config) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """What the model's forward does to the output head's logits, as its code does it: Gemma 2's soft cap
+    (final_logit_softcapping), Granite's division by logits_scaling, Cohere's product with logit_scale; None for
+    most (Qwen, Llama, Mistral, Gemma 3...). check_scorer catches a model that does something else."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    kind = getattr(text, "model_type", "")
+    cap = getattr(text, "final_logit_softcapping", None)
+    if cap is not None:
+        return lambda logits: torch.tanh(logits / cap) * cap
+    if kind.startswith("granite") and getattr(text, "logits_scaling", 1.0) != 1.0:
+        return lambda logits: logits / text.logits_scaling
+    if kind.startswith("cohere") and getattr(text, "logit_scale", 1.0) != 1.0:
+        return lambda logits: logits * text.logit_scale
+    return None
+
+
+@torch.inference_mode()
+def check_scorer(model, scorer: LabelScorer, ids: list[int], tolerance: float = 1e-2) -> None:
+    """Raise ValueError when the scorer's log-probs after `ids` are not the model's own (its forward changes the
+    logits in a way logit_transform does not know), instead of answering with the wrong numbers."""
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([ids], device=device)
+    own = torch.log_softmax(model(input_ids=input_ids, logits_to_keep=1).logits[0, -1].float(), dim=-1)
+    hidden = model.base_model(input_ids=input_ids).last_hidden_state[0, -1:]  # (1, H)
+    ours = scorer.logprobs(hidden)[0]
+    gap = float((ours - own.index_select(0, scorer.index)).abs().max())
+    if not gap <= tolerance:
+        kind = getattr(model.config, "model_type", type(model).__name__)
+        raise ValueError(f"slimroute's label scorer does not reproduce this model's log-probabilities ({kind}: they "
+                         f"differ by {gap:.3g}; its forward changes the output head's logits in a way slimroute does "
+                         "not know yet); use another model, or report the model")
