@@ -138,3 +138,28 @@ def test_a_model_whose_logits_the_scorer_cannot_reproduce_is_refused(monkeypatch
     monkeypatch.setattr(scoring, "logit_transform", lambda config: None)  # as if the soft cap were unknown
     with pytest.raises(ValueError, match=r"label scorer does not reproduce this model's log-probabilities \(gemma2"):
         Engine(model, tok, Task(LABELS))
+
+
+def test_a_mixture_of_experts_model_runs_its_last_layer_on_the_read_rows_only(caplog):
+    """An MoE block takes (B, L, H) and returns (hidden states, router logits): the last layer's rows-only run keeps
+    both forms. Its experts are 3-D weights, not linear layers: int8 leaves them fp32 and says so."""
+    import transformers
+
+    model, tok = tiny_model("qwen2")
+    config = transformers.MixtralConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, initializer_range=0.3, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(config).eval()
+    set_attention(model)
+    task = Task(LABELS)
+    ref = ReferenceClassifier(model, tok, task).classify(TEXTS)
+    assert_equal(ref, Engine(model, tok, task, EngineConfig(batch_size=4)).classify(TEXTS))
+    if int8_kernels_available(detect()):
+        from slimroute.int8 import quantize_model
+
+        quantize_model(model, tokenizer=tok)
+        set_attention(model)
+        assert "mixture-of-experts weight(s)" in caplog.text and "not bit for bit" in caplog.text
+        ref = ReferenceClassifier(model, tok, task).classify(TEXTS)
+        assert_equal(ref, Engine(model, tok, task, EngineConfig(batch_size=4)).classify(TEXTS))

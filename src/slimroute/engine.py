@@ -383,14 +383,16 @@ def rows_only(module: torch.nn.Module | None, index: torch.Tensor | None):
             return None
         x = args[0]
         shape.append(x.shape)
-        return (x.reshape(-1, x.shape[-1]).index_select(0, index),)
+        rows = x.reshape(-1, x.shape[-1]).index_select(0, index)
+        return (rows.view(*[1] * (x.dim() - 2), *rows.shape),)  # as many dimensions as before (an MoE block's 3)
 
     def put(_, args, out):
         if (whole := shape.pop()) is None:
             return None
-        full = out.new_zeros(*whole[:-1], out.shape[-1])
-        full.view(-1, out.shape[-1]).index_copy_(0, index, out)
-        return full
+        rows = out[0] if isinstance(out, tuple) else out  # an MoE block's (hidden states, router logits)
+        full = rows.new_zeros(*whole[:-1], rows.shape[-1])
+        full.view(-1, rows.shape[-1]).index_copy_(0, index, rows.reshape(-1, rows.shape[-1]))
+        return (full, *out[1:]) if isinstance(out, tuple) else full
 
     handles = (module.register_forward_pre_hook(take), module.register_forward_hook(put))
     try:
