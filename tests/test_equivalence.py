@@ -174,9 +174,9 @@ def test_the_last_layers_mlp_runs_only_on_the_rows_read(tiny_qwen):
         pruned = engine.classify(texts)
     finally:
         handle.remove()
-    pruned_calls = [shape for shape in seen if len(shape) == 2]  # a batch's forward: (B, H), one row per item
-    assert sum(shape[0] for shape in pruned_calls) == len(texts) and len(pruned_calls) == engine.last_stats.num_batches
-    assert all(len(shape) == 3 for shape in seen if len(shape) != 2)  # a continuation: every row (B, n-1, H)
+    pruned_calls = [shape for shape in seen if shape[0] == 1]  # a batch's forward: (1, B, H), one row per item
+    assert sum(shape[1] for shape in pruned_calls) == len(texts) and len(pruned_calls) == engine.last_stats.num_batches
+    assert all(shape[0] > 1 for shape in seen if shape[0] != 1)  # a continuation: every row (B x copies, n-1, H)
     assert not mlp._forward_hooks and not mlp._forward_pre_hooks
     engine._last_mlp = None
     assert_equal(pruned, engine.classify(texts), tol=1e-5)
