@@ -448,26 +448,6 @@ def test_a_q8_head_is_cached_compact_and_gives_the_references_bits(tmp_path):
             assert [p.logprobs for p in fast] == [p.logprobs for p in ref]  # bitwise
 
 
-def test_smoothing_changes_nothing_in_exact_arithmetic():
-    """The factors folded into norms, v_proj and up_proj cancel in the next layer (fp32, no quantisation)."""
-    from slimroute.smoothing import smoothed_weight, smoothing_factors
-
-    for arch in ("qwen2", "llama"):
-        model, tok = tiny_model(arch)
-        ids = torch.tensor([tok("refund my card please, the app crash after login")["input_ids"]])
-        with torch.no_grad():
-            before = model(ids).logits
-            factors, params = smoothing_factors(model, tok)
-            assert factors and params
-            for name, module in model.named_modules():
-                if name in factors:
-                    module.weight.copy_(smoothed_weight(module.weight, factors[name]))
-            for name, value in params.items():
-                model.get_parameter(name).copy_(value)
-            after = model(ids).logits
-        assert torch.allclose(before, after, atol=1e-4), (arch, (before - after).abs().max())
-
-
 def test_int8_probe_failure_is_reported(monkeypatch):
     import slimroute.int8 as int8
 
