@@ -72,7 +72,8 @@ def test_int8_fast_path_gives_the_int8_references_bits(arch, prefix_cache):
 
 @pytest.mark.parametrize("arch", [*ARCHS, "qwen2", "llama"])
 def test_smoothing_changes_nothing_in_exact_arithmetic(arch):
-    """Where a fold would not cancel (Gemma's (1 + w) norms, Olmo 2's missing pre-norms) it is left out."""
+    """Each fold into a norm is made as that norm computes (Llama's w * f(x), Gemma's f(x) * (1 + w)) and only into
+    the norm that feeds the layers (Gemma's pre_feedforward_layernorm; none in Olmo 2)."""
     model, tok = tiny_model(arch)
     ids = torch.tensor([tok("refund my card please, the app crash after login")["input_ids"]])
     with torch.no_grad():
@@ -87,8 +88,9 @@ def test_smoothing_changes_nothing_in_exact_arithmetic(arch):
         after = model(ids).logits
     assert torch.allclose(before, after, atol=1e-4), (arch, (before - after).abs().max())
     norms = {name.rsplit(".", 2)[-2] for name in params if name.endswith("norm.weight")}
-    pre_norms = arch in ("qwen2", "llama", "granite")  # Llama's layout; Gemma's (1 + w) and Olmo 2's are not
-    assert norms == ({"input_layernorm", "post_attention_layernorm"} if pre_norms else set())
+    assert norms == {"gemma2": {"input_layernorm", "pre_feedforward_layernorm"},  # (1 + w) norms, folded as such
+                     "gemma3": {"input_layernorm", "pre_feedforward_layernorm"},
+                     "olmo2": set()}.get(arch, {"input_layernorm", "post_attention_layernorm"})  # no norm in front
 
 
 def test_what_sets_each_apart_is_seen():

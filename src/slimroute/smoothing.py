@@ -15,8 +15,9 @@ data, so the int8 weights are a function of the checkpoint alone and can be cach
 Each fold is made only where it is exact for the model at hand (other architectures than Qwen2 / Llama): a norm is
 folded into only when its output is the layers' very input in the calibration pass (Olmo 2 has no norm in front of
 q/k/v; Gemma 2 and 3 put pre_feedforward_layernorm, not post_attention_layernorm, before the MLP) and dividing its
-weight divides its output (not Gemma's x * (1 + weight)); up_proj's rows only when the MLP's output is unchanged
-(checked on a few rows). A group whose fold does not hold is quantised as it is.
+weight divides its output (Llama's weight * f(x); for Gemma's f(x) * (1 + weight) the fold is (1 + weight) / s - 1);
+up_proj's rows only when the MLP's output is unchanged (checked on a few rows). A group whose fold does not hold is
+quantised as it is.
 """
 
 from __future__ import annotations
@@ -160,8 +161,9 @@ def smoothing_factors(model: nn.Module, tokenizer) -> tuple[dict[str, tuple], di
             if norm is None:
                 continue
             s = _factor(maxima[linears[0]], _column_max(*linears))
-            weight = norm.weight.detach().float() / s
-            if not _divides_output(norm, weight, s):
+            old = norm.weight.detach().float()
+            weight = next((w for w in (old / s, (1 + old) / s - 1) if _divides_output(norm, w, s)), None)
+            if weight is None:  # neither Llama's weight * f(x) nor Gemma's f(x) * (1 + weight)
                 continue
             params[f"{names[norm]}.weight"] = weight
             for lin in linears:
