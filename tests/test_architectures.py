@@ -165,3 +165,26 @@ def test_a_mixture_of_experts_model_runs_its_last_layer_on_the_read_rows_only(ca
         assert "mixture-of-experts weight(s)" in caplog.text and "not bit for bit" in caplog.text
         ref = ReferenceClassifier(model, tok, task).classify(TEXTS)
         assert_equal(ref, Engine(model, tok, task, EngineConfig(batch_size=4)).classify(TEXTS))
+
+
+def test_verify_a_gemma2_folder_from_the_command_line(tmp_path, monkeypatch):
+    """The whole load_model path (its kernels, int8's cache file and kernel choice, the attention it sets) on a
+    model folder of the architecture that needed the most: every dtype this CPU runs agrees with its reference."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from slimroute.cli import app
+    from slimroute.cpu import supported_dtypes
+
+    monkeypatch.setenv("SLIMROUTE_CACHE", str(tmp_path / "cache"))
+    model, tok = tiny_model("gemma2")
+    model.save_pretrained(tmp_path / "gemma2")
+    tok.save_pretrained(tmp_path / "gemma2")
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"text": text}) + "\n" for text in TEXTS))
+    for dtype in supported_dtypes(detect()):
+        result = CliRunner().invoke(app, ["verify", str(src), "--model", str(tmp_path / "gemma2"), "--labels",
+                                          ",".join(LABELS), "--dtype", dtype, "--threads", "1"])
+        assert result.exit_code == 0, result.output
+        assert f"label agreement 100.00% ({len(TEXTS)}/{len(TEXTS)})" in " ".join(result.output.split())
