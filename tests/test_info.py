@@ -64,3 +64,10 @@ def test_the_table_shows_the_choice_and_the_cpu_as_plain_text(monkeypatch):
     text = " ".join(result.stdout.split())
     assert "--dtype auto" in text and "float32 works" in text
     assert "[flags simulated by SLIMROUTE_CPU_FLAGS]" in text  # not eaten as rich markup
+
+
+def test_version():
+    from slimroute import __version__
+
+    result = CliRunner().invoke(cli.app, ["--version"])
+    assert result.exit_code == 0 and result.stdout.startswith(f"slimroute {__version__} (torch ")

@@ -13,6 +13,23 @@ import typer
 from slimroute.cli import assets, classify, info, measure, serve, tune, verify
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="A small LM as a fast, exact classifier.")
+
+
+def _version(value: bool):
+    if value:
+        from importlib.metadata import version
+
+        from slimroute import __version__
+
+        typer.echo(f"slimroute {__version__} (torch {version('torch')}, transformers {version('transformers')})")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(_: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                    help="Print the version and exit.")):
+    """A small LM as a fast, exact classifier."""
+
 app.command()(classify.classify)
 app.command()(verify.verify)
 app.command()(tune.tune)
