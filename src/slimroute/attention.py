@@ -277,7 +277,7 @@ class _Plan:
 
     def __init__(self, order, bias, key_tiles: list[int], visible: torch.Tensor):
         self.order, self.bias, self.key_tiles = order, bias, key_tiles
-        self.visible = visible  # (B,): how many keys some query of the row sees (they come first in attention order)
+        self.visible = visible  # (B,): how many keys stay in front in attention order (all the row's seen ones)
         self._patches: dict[int, dict | None] = {}
 
     def continuation_patches(self, cached: int) -> dict | None:
@@ -316,7 +316,7 @@ def _mask_plan(attention_mask, batch: int, num_queries: int, num_keys: int, devi
     where a query may attend and -inf elsewhere, in the keys' new order, padded to whole tiles; key_tiles[a]: how
     many key tiles hold a key some query of query tile a sees (in any row; a causal mask's later tiles are all
     hidden from early queries: their softmax terms and products would be exact zeros); visible (B,): how many
-    keys a row's queries see."""
+    keys stay in front (the row's seen keys, and any hidden before the first of them)."""
     global _plan
     edits = 0 if attention_mask is None or attention_mask.is_inference() else attention_mask._version  # in place
     shape = (batch, num_queries, num_keys, str(device), edits, q_tile)
@@ -327,11 +327,11 @@ def _mask_plan(attention_mask, batch: int, num_queries: int, num_keys: int, devi
     hidden = ~allowed.any(dim=2)  # (B, 1, Lk): no query of the row sees it
     # Keys hidden before the row's first seen one (a sliding window's, behind it) keep their places: which keys a
     # query sees is its own window's doing, not the other queries' of the pass, and moving them would shift the
-    # later keys into other tiles than the one-at-a-time prompt's
-    hidden &= torch.cumsum(~hidden, dim=-1) > 0
+    # later keys into other tiles than the one-at-a-time prompt's. The hidden keys after it (padding) move behind.
+    behind = hidden & (torch.cumsum(~hidden, dim=-1) > 0)
     order = None
-    if bool((hidden[..., :-1] & ~hidden[..., 1:]).any()):  # a hidden key in front of a visible one
-        order = torch.sort(hidden.to(torch.uint8), dim=-1, stable=True).indices  # (B, 1, Lk)
+    if bool((behind[..., :-1] & ~behind[..., 1:]).any()):  # a key to move in front of one that stays
+        order = torch.sort(behind.to(torch.uint8), dim=-1, stable=True).indices  # (B, 1, Lk)
         allowed = allowed.gather(3, order[:, :, None, :].expand(batch, 1, num_queries, num_keys))
     q_len, k_len = -(-num_queries // q_tile) * q_tile, -(-num_keys // TILE) * TILE
     mask = F.pad(allowed, (0, k_len - num_keys, 0, q_len - num_queries))  # (B, 1, Lq', Lk')
@@ -341,7 +341,7 @@ def _mask_plan(attention_mask, batch: int, num_queries: int, num_keys: int, devi
     last_seen = (seen * torch.arange(1, k_len + 1, device=device)).amax(dim=1)  # 1 + the last such key's index
     key_tiles = (-(-last_seen // TILE)).clamp_(min=1).tolist()  # a tile of queries that see nothing: 1 (all -inf)
     plan = _Plan(order, bias.view(batch, 1, q_len // q_tile, 1, q_tile, k_len), key_tiles,
-                 (~hidden[:, 0]).sum(dim=-1))
+                 (~behind[:, 0]).sum(dim=-1))
     if attention_mask is not None:
         _plan = (weakref.ref(attention_mask, _forget), shape, plan)
     return plan

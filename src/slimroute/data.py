@@ -207,11 +207,17 @@ def _iter_jsonl(path: Path, cols: _Columns) -> Iterator[Row]:
         yield _error_row(index, error) if error else _make_row(index, obj, cols)
 
 
+def _text_lines(path: Path) -> Iterator[str]:
+    """A .txt file's texts: its non-blank lines, without their line ends (undecodable bytes kept as surrogates)."""
+    for line in _lines(path):
+        yield line.rstrip(b"\r\n").decode("utf-8", "surrogateescape")
+
+
 def _iter_txt(path: Path) -> Iterator[Row]:
     """One text per non-blank line; the id is the row number."""
     cols = _Columns("text", "id", None)
-    for index, line in enumerate(_lines(path)):
-        yield _make_row(index, {"text": line.rstrip(b"\r\n").decode("utf-8", "surrogateescape")}, cols)
+    for index, text in enumerate(_text_lines(path)):
+        yield _make_row(index, {"text": text}, cols)
 
 
 def _open_csv(path: Path):
@@ -316,8 +322,7 @@ def iter_records(path) -> Iterator[dict]:
         for batch in _open_parquet(path).iter_batches():
             yield from batch.to_pylist()
     elif fmt == "txt":
-        for line in _lines(path):
-            yield {"text": _clean(line.rstrip(b"\r\n").decode("utf-8", "surrogateescape"))}
+        yield from ({"text": _clean(text)} for text in _text_lines(path))
     else:
         for line in _lines(path):
             obj, _ = _parse_jsonl(line)

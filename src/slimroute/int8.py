@@ -52,6 +52,12 @@ WEIGHT_MAX = 127
 # FBGEMM_ZERO_POINT itself, u8 in [1, 127]) and to oneDNN as uint8 q + shift (in [1, 255])
 ACTIVATIONS = {"fbgemm": (63, 0), "onednn": (127, 128)}
 FBGEMM_ZERO_POINT = 64
+
+
+def activation_bits(kernel: str) -> int:
+    """How many bits a kernel's activations get: |q| <= act_max, and a sign."""
+    return ACTIVATIONS[kernel][0].bit_length() + 1
+
 # part of the cache key: change it when the cached numbers or keys change (v4: the smoothing pass, a process's first
 # forward, no longer meets a thread's first vector-math call: kernels.warm_up_vector_math; a v3 file made in an
 # unlucky process could hold other factors; v5: a fold only where it is exact, so a Gemma or Olmo 2 file made
@@ -135,7 +141,7 @@ def _onednn_problem() -> str:
         return failure_line(exc)
     exact = (ints.double() @ qweight.double().T).float() * scale  # integer sums below 2**24: exact in fp32 too
     if not torch.equal(got, exact):
-        return f"its integer products are not exact for {act_max.bit_length() + 1}-bit activations on this CPU"
+        return f"its integer products are not exact for {activation_bits('onednn')}-bit activations on this CPU"
     return ""
 
 

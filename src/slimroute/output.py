@@ -84,6 +84,28 @@ class ProgressRecord:
     def write(self, path: Path) -> None:
         write_atomic(path, json.dumps(asdict(self), indent=1).encode())
 
+    def add_window(self, num_rows: int, summary_state: dict) -> None:
+        self.rows_done += num_rows
+        self.windows_done += 1
+        self.summary = summary_state
+
+
+def window_records(rows: list[Row], preds: list[Prediction], labels: list[str], raw: bool, routed: bool,
+                   errors_apart: bool) -> tuple[list[dict], list[dict]]:
+    """A window's output records, and with errors_apart (--errors) its failed rows' {index, id, error}, which are
+    then left out of the output records."""
+    records = [output_record(r, p, labels, raw, routed) for r, p in zip(rows, preds, strict=True)]
+    if not errors_apart:
+        return records, []
+    failed = [{"index": row.index, "id": rec["id"], "error": rec["error"]}
+              for row, rec in zip(rows, records, strict=True) if rec["error"] is not None]
+    return [rec for rec in records if rec["error"] is None], failed
+
+
+def check_errors_path(errors: Path | None, out: Path | None = None) -> None:
+    if errors is not None and (errors.suffix.lower() not in (".jsonl", ".ndjson") or errors == out):
+        raise OutputError(f"--errors {str(errors)!r} must be a .jsonl file other than --out")
+
 
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -145,8 +167,7 @@ class DurableOutput:
         out, errors = Path(out), Path(errors) if errors else None
         if out.suffix.lower() not in FORMATS:
             raise OutputError(f"--out {str(out)!r} must end in .jsonl, .csv or .parquet")
-        if errors is not None and (errors.suffix.lower() not in (".jsonl", ".ndjson") or errors == out):
-            raise OutputError(f"--errors {str(errors)!r} must be a .jsonl file other than --out")
+        check_errors_path(errors, out)
         if resume and overwrite:
             raise OutputError("give either --resume or --overwrite, not both")
         fresh = ProgressRecord(input_fp, settings)
@@ -233,13 +254,8 @@ class DurableOutput:
 
     def commit(self, rows: list[Row], preds: list[Prediction], summary_state: dict) -> None:
         """Make one window durable: its output, its error rows, then the progress record."""
-        records = [output_record(r, p, self.labels, self.raw_columns, self.routed_column)
-                   for r, p in zip(rows, preds, strict=True)]
-        failed = []
-        if self.errors is not None:
-            failed = [{"index": row.index, "id": rec["id"], "error": rec["error"]}
-                      for row, rec in zip(rows, records, strict=True) if rec["error"] is not None]
-            records = [rec for rec in records if rec["error"] is None]
+        records, failed = window_records(rows, preds, self.labels, self.raw_columns, self.routed_column,
+                                         self.errors is not None)
         with interrupts_deferred():
             if self.format == "parquet":
                 self._write_part(self.record.windows_done, records)
@@ -248,9 +264,7 @@ class DurableOutput:
             if self._errors_file is not None:
                 data = encode_records("jsonl", failed).encode("utf-8")
                 self.record.errors_bytes += self._append(self._errors_file, data)
-            self.record.rows_done += len(rows)
-            self.record.windows_done += 1
-            self.record.summary = summary_state
+            self.record.add_window(len(rows), summary_state)
             self.record.write(self.progress)
 
     def _encode(self, records: list[dict]) -> bytes:

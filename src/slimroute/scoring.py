@@ -56,9 +56,9 @@ def check_scorer(model, scorer: LabelScorer, ids: list[int], tolerance: float = 
     logits in a way logit_transform does not know), instead of answering with the wrong numbers."""
     device = next(model.parameters()).device
     input_ids = torch.tensor([ids], device=device)
-    own = torch.log_softmax(model(input_ids=input_ids, logits_to_keep=1).logits[0, -1].float(), dim=-1)
-    hidden = model.base_model(input_ids=input_ids).last_hidden_state[0, -1:]  # (1, H)
-    ours = scorer.logprobs(hidden)[0]
+    out = model(input_ids=input_ids, logits_to_keep=1, output_hidden_states=True)  # one pass for both
+    own = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+    ours = scorer.logprobs(out.hidden_states[-1][0, -1:])[0]  # the last entry is after the final norm: (1, H)
     gap = float((ours - own.index_select(0, scorer.index)).abs().max())
     if not gap <= tolerance:
         kind = getattr(model.config, "model_type", type(model).__name__)

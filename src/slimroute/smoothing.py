@@ -54,21 +54,19 @@ def _layers(model: nn.Module):
 
 @torch.inference_mode()
 def _input_maxima(model: nn.Module, tokenizer) -> dict[nn.Module, torch.Tensor]:
-    """max |x_j| over the calibration tokens, per input channel, for every linear layer of the decoder."""
+    """max |x_j| over the calibration tokens, per channel, of every linear layer's input and every norm's output in
+    the decoder's layers."""
     maxima: dict[nn.Module, torch.Tensor] = {}
 
-    def record(module, args):
-        x = args[0].detach().reshape(-1, args[0].shape[-1]).abs().amax(dim=0).float()
+    def keep_max(module, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, x.shape[-1]).abs().amax(dim=0).float()
         maxima[module] = torch.maximum(maxima[module], x) if module in maxima else x
 
-    def record_output(module, args, output):
-        out = output[0] if isinstance(output, tuple) else output
-        x = out.detach().reshape(-1, out.shape[-1]).abs().amax(dim=0).float()
-        maxima[module] = torch.maximum(maxima[module], x) if module in maxima else x
-
-    hooks = [m.register_forward_pre_hook(record) for layer in _layers(model) for m in layer.modules()
-             if isinstance(m, nn.Linear)]
-    hooks += [norm.register_forward_hook(record_output) for layer in _layers(model) for norm in _norms(layer)]
+    hooks = [m.register_forward_pre_hook(lambda module, args: keep_max(module, args[0]))
+             for layer in _layers(model) for m in layer.modules() if isinstance(m, nn.Linear)]
+    hooks += [norm.register_forward_hook(lambda module, args, out: keep_max(module, out[0] if isinstance(out, tuple)
+                                                                             else out))
+              for layer in _layers(model) for norm in _norms(layer)]
     device = next(model.parameters()).device
     try:
         for text in CALIBRATION:

@@ -18,9 +18,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from slimroute.data import InputError, Row, encode_records, output_record
+from slimroute.data import InputError, Row, encode_records
 from slimroute.labels import Prediction
-from slimroute.output import OutputError, ProgressRecord
+from slimroute.output import OutputError, ProgressRecord, check_errors_path, window_records
 
 STDIO = "-"
 _PEEK_BYTES = 1 << 16
@@ -78,8 +78,7 @@ class StreamOutput:
             raise OutputError("--resume needs an output file: standard output keeps nothing to resume from; "
                               "pass --out with a .jsonl, .csv or .parquet path")
         errors = Path(errors) if errors else None
-        if errors is not None and errors.suffix.lower() not in (".jsonl", ".ndjson"):
-            raise OutputError(f"--errors {str(errors)!r} must be a .jsonl file")
+        check_errors_path(errors)
         self.labels, self.errors = list(labels), errors
         self.raw_columns, self.routed_column = raw_columns, routed_column
         self.record, self.resuming = ProgressRecord(input_fp, settings), False
@@ -94,19 +93,14 @@ class StreamOutput:
             self._errors_file = self.errors.open("wb")
 
     def commit(self, rows: list[Row], preds: list[Prediction], summary_state: dict) -> None:
-        records = [output_record(r, p, self.labels, self.raw_columns, self.routed_column)
-                   for r, p in zip(rows, preds, strict=True)]
+        records, failed = window_records(rows, preds, self.labels, self.raw_columns, self.routed_column,
+                                         self._errors_file is not None)
         if self._errors_file is not None:
-            failed = [{"index": row.index, "id": rec["id"], "error": rec["error"]}
-                      for row, rec in zip(rows, records, strict=True) if rec["error"] is not None]
-            records = [rec for rec in records if rec["error"] is None]
             self._errors_file.write(encode_records("jsonl", failed).encode("utf-8"))
             self._errors_file.flush()
         self._stream.write(encode_records("jsonl", records).encode("utf-8"))
         self._stream.flush()
-        self.record.rows_done += len(rows)
-        self.record.windows_done += 1
-        self.record.summary = summary_state
+        self.record.add_window(len(rows), summary_state)
 
     def finish(self) -> None:
         self.close()

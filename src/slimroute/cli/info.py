@@ -57,7 +57,7 @@ def _kernels(works: list[str]) -> dict[str, str]:
     """Which special kernel each dtype that works here would run, tried on a small layer as at load."""
     import torch
 
-    from slimroute.int8 import ACTIVATIONS, pick_kernel
+    from slimroute.int8 import activation_bits, pick_kernel
     from slimroute.kernels import onednn_failure
 
     kernels = {}
@@ -67,8 +67,7 @@ def _kernels(works: list[str]) -> dict[str, str]:
             kernels[name] = f"torch's default kernels (oneDNN's failed: {failure})" if failure else "oneDNN, packed"
     if "int8" in works:
         kernel = pick_kernel()
-        bits = ACTIVATIONS[kernel][0].bit_length() + 1
-        kernels["int8"] = f"{kernel}'s integer GEMMs, {bits}-bit activations"
+        kernels["int8"] = f"{kernel}'s integer GEMMs, {activation_bits(kernel)}-bit activations"
     return kernels
 
 
