@@ -31,14 +31,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from slimroute.bench import machine_info
-from slimroute.config import EngineConfig
-from slimroute.engine import Engine
-from slimroute.fingerprint import identity
-from slimroute.head import Head
-from slimroute.models import load_model
+from slimroute.accuracy.head import Head
+from slimroute.accuracy.tune import TuneConfig, fit_tuned, option_columns, parse_layer
+from slimroute.bench.speed import machine_info
+from slimroute.engine.fast import Engine
+from slimroute.router import Router, load
+from slimroute.runtime.fingerprint import identity
 from slimroute.task import Task
-from slimroute.tune import TuneConfig, fit_tuned, option_columns, parse_layer
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data" / "banking77" / "train.csv"
@@ -135,9 +134,9 @@ def main() -> None:
     largest = 0 if 0 in args.per_intent else max(args.per_intent)
     train = [splits["train"][i] for i in first_per_label([label for _, label in splits["train"]], largest)]
     valid = splits["valid"]
-    loaded = load_model(args.model, args.dtype, args.threads)
     task = Task(tuple(labels), INSTRUCTIONS)
-    engine = Engine.from_loaded(loaded, task, EngineConfig())
+    router = load(args.model, task, dtype=args.dtype, threads=args.threads)
+    loaded, engine = router.loaded, router.engine
     meta = {"identity": identity(loaded.model, loaded.tokenizer, task), "model": args.model,
             "task": {"labels": labels, "instructions": INSTRUCTIONS}}
     log(f"{args.model} {args.dtype}, {loaded.threads} threads; prefix {len(engine.prompt.prefix_ids)} tokens; "
@@ -173,7 +172,7 @@ def main() -> None:
         log(f"{name}: valid accuracy {100 * result['accuracy']:.1f}%, macro-F1 {100 * result['macro_f1']:.1f}%")
 
     last = heads[settings[-1][0]]
-    speed = measure_speed(loaded, task, last, engine, valid[: args.speed_rows],
+    speed = measure_speed(router, last, valid[: args.speed_rows],
                           head_columns(valid_x, last, layers, int(loaded.model.config.hidden_size)))
     record = {"command": command, "machine": machine_info(loaded.threads), "model": args.model,
               "dtype": args.dtype, "instructions": INSTRUCTIONS, "features": config.features,
@@ -184,14 +183,14 @@ def main() -> None:
     print(markdown(record))
 
 
-def measure_speed(loaded, task: Task, head: Head, zero_shot: Engine, rows: list, valid_x: torch.Tensor) -> dict:
+def measure_speed(zero_shot: Router, head: Head, rows: list, valid_x: torch.Tensor) -> dict:
     """Items/s of classify with the head vs plain zero-shot (same rows, same task), and whether the classify
     path gives the answers of the head applied to the cached features."""
     if not rows:
         return {}
     texts, gold = [t for t, _ in rows], [label for _, label in rows]
-    head_preds, head_rate = timed(Engine.from_loaded(loaded, task, EngineConfig(), head=head), texts)
-    zero_preds, zero_rate = timed(zero_shot, texts)
+    head_preds, head_rate = timed(zero_shot.with_task(zero_shot.task, head).engine, texts)
+    zero_preds, zero_rate = timed(zero_shot.engine, texts)
     expected = evaluate(head, valid_x[: len(texts)], gold)["predicted"]
     return {"rows": len(texts), "head_items_per_s": head_rate, "zero_shot_items_per_s": zero_rate,
             "head_vs_zero_shot": head_rate / zero_rate,

@@ -27,7 +27,7 @@ def load_tickets(n: int) -> list[dict]:
         with open(SAMPLE, encoding="utf-8") as f:
             tickets = [json.loads(line) for line in f if line.strip()]
     else:
-        from slimroute.synth import synthetic_tickets
+        from slimroute.io.synth import synthetic_tickets
 
         tickets = synthetic_tickets(600, 0)
     return tickets[:n]
@@ -36,15 +36,12 @@ def load_tickets(n: int) -> list[dict]:
 def measure_offline(model: str, dtype: str, threads: int | None, texts: list[str], batch_size: int = 32,
                     max_batch_tokens: int = 512, max_padding: float = 0.0) -> tuple[dict, list]:
     """`engine.classify` on all the texts at once, in this process (warm-up excluded): (record, predictions)."""
-    from slimroute.config import EngineConfig
-    from slimroute.engine import Engine
-    from slimroute.models import load_model
-    from slimroute.task import Task
+    import slimroute
 
-    loaded = load_model(model, dtype, threads)
-    config = EngineConfig(batch_size=batch_size, max_batch_tokens=max_batch_tokens or None,
-                          max_padding=max_padding or None)
-    engine = Engine.from_loaded(loaded, Task.from_labels(LABELS), config)
+    config = slimroute.EngineConfig(batch_size=batch_size, max_batch_tokens=max_batch_tokens or None,
+                                    max_padding=max_padding or None)
+    router = slimroute.load(model, LABELS, dtype=dtype, threads=threads, config=config)
+    engine, loaded = router.engine, router.loaded
     engine.classify(texts[:8])  # warm-up
     start = time.perf_counter()
     predictions = engine.classify(texts)
@@ -52,7 +49,7 @@ def measure_offline(model: str, dtype: str, threads: int | None, texts: list[str
     record = {"items_per_s": round(len(texts) / seconds, 3), "seconds": round(seconds, 2),
               "padding_overhead": round(engine.last_stats.padding.overhead, 4), "threads": loaded.threads}
     print(f"offline: {len(texts) / seconds:.2f} items/s", file=sys.stderr, flush=True)
-    del engine, loaded
+    del engine, loaded, router
     gc.collect()
     return record, predictions
 

@@ -28,14 +28,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_local(path: Path, task, model: str, threads: int) -> tuple[dict, dict[str, str]]:
-    from slimroute.data import read_rows
-    from slimroute.engine import Engine
-    from slimroute.jobs import classify_rows
-    from slimroute.models import load_model
+    import slimroute
+    from slimroute.backends.local import classify_rows
+    from slimroute.io.rows import read_rows
 
     rows = read_rows(path)
     start = time.perf_counter()
-    engine = Engine.from_loaded(load_model(model, threads=threads), task)
+    engine = slimroute.load(model, task, threads=threads).engine
     engine.classify([row.text for row in rows[:8] if row.text])
     load_seconds = time.perf_counter() - start
     start = time.perf_counter()
@@ -51,10 +50,11 @@ def run_ray(path: Path, task, model: str, replicas: int, threads: int, block_row
             out: Path) -> tuple[dict, dict[str, str]]:
     import pyarrow.parquet as pq
 
+    import slimroute
     from slimroute.backends.ray import run_ray_job
 
-    summary = run_ray_job(path, out, task, model, replicas=replicas, threads_per_replica=threads,
-                          block_rows=block_rows)
+    summary = run_ray_job(path, out, slimroute.Recipe.of(model, task), replicas=replicas,
+                          threads_per_replica=threads, block_rows=block_rows)
     per_replica = list(summary["per_replica"].values())
     record = {"items": summary["items"], "seconds": summary["seconds"], "items_per_s": summary["items_per_s"],
               "startup_seconds": summary["startup_seconds"],
@@ -90,7 +90,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="Also append the records to this JSONL file.")
     args = parser.parse_args()
 
-    from slimroute.models import resolve
+    from slimroute.runtime.load import resolve
     from slimroute.task import Task
 
     task = Task.from_labels(args.labels)

@@ -264,7 +264,7 @@ async def single_latencies(url: str, tickets: list[dict], auth: dict, n: int = 5
 
 def answers_through_server(url: str, tickets: list[dict], key: str) -> list[dict]:
     """Each ticket's answer from the idle server, 32 per request (used when --capacity skips the offline run)."""
-    from slimroute.client import RemoteClassifier
+    from slimroute.backends.remote import RemoteClassifier
 
     with RemoteClassifier(url, chunk_size=32, concurrency=1, api_key=key) as clf:
         predictions = clf.classify([t["text"] for t in tickets])

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import psutil
 
-from slimroute.bench import peak_rss_bytes
-from slimroute.output import progress_path
+from slimroute.bench.speed import peak_rss_bytes
+from slimroute.io.durable import progress_path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 def write_input(path: Path, num_rows: int, max_chars: int) -> None:
     """num_rows seeded synthetic tickets (a pool of 5000 texts reused under fresh ids), streamed to disk."""
-    from slimroute.synth import synthetic_tickets
+    from slimroute.io.synth import synthetic_tickets
 
     pool = synthetic_tickets(5000, seed=0)
     with path.open("w", encoding="utf-8") as f:

@@ -30,7 +30,7 @@ def tiny_llama():
 
 @functools.cache
 def _smollm2():
-    from slimroute.models import load_model
+    from slimroute.runtime.load import load_model
 
     return load_model("smollm2-135m", "float32")
 

@@ -14,13 +14,14 @@ from test_equivalence import assert_equal
 from tiny import OTHER_ARCHS, make_text, tiny_model
 
 from slimroute.config import EngineConfig
-from slimroute.cpu import detect, int8_kernels_available
-from slimroute.engine import Engine
-from slimroute.kernels import set_attention
-from slimroute.prefix_cache import smallest_window
-from slimroute.reference import ReferenceClassifier
-from slimroute.scoring import logit_transform
-from slimroute.smoothing import smoothed_weight, smoothing_factors
+from slimroute.engine.fast import Engine
+from slimroute.engine.prefix_cache import smallest_window
+from slimroute.engine.reference import ReferenceClassifier
+from slimroute.engine.scoring import logit_transform
+from slimroute.runtime.attention import set_attention
+from slimroute.runtime.cpu import detect
+from slimroute.runtime.dtypes import int8_kernels_available
+from slimroute.runtime.smoothing import smoothed_weight, smoothing_factors
 from slimroute.task import Example, Task, render_prompt
 
 ARCHS = sorted(OTHER_ARCHS)
@@ -39,7 +40,7 @@ def fp32_model(arch: str):
 
 @functools.cache
 def int8_model(arch: str):
-    from slimroute.int8 import quantize_model
+    from slimroute.runtime.quantize import quantize_model
 
     model, tok = tiny_model(arch)
     quantize_model(model, tokenizer=tok)  # with smoothing, as load_model does
@@ -134,7 +135,7 @@ def test_the_scorer_transforms_logits_as_the_models_forward_does():
 
 def test_a_model_whose_logits_the_scorer_cannot_reproduce_is_refused(monkeypatch):
     """Rather than answering with log-probs that are not the model's (what Gemma 2 got before its soft cap)."""
-    import slimroute.scoring as scoring
+    import slimroute.engine.scoring as scoring
 
     model, tok = fp32_model("gemma2")
     monkeypatch.setattr(scoring, "logit_transform", lambda config: None)  # as if the soft cap were unknown
@@ -158,7 +159,7 @@ def test_a_mixture_of_experts_model_runs_its_last_layer_on_the_read_rows_only(ca
     ref = ReferenceClassifier(model, tok, task).classify(TEXTS)
     assert_equal(ref, Engine(model, tok, task, EngineConfig(batch_size=4)).classify(TEXTS))
     if int8_kernels_available(detect()):
-        from slimroute.int8 import quantize_model
+        from slimroute.runtime.quantize import quantize_model
 
         quantize_model(model, tokenizer=tok)
         set_attention(model)
@@ -175,7 +176,7 @@ def test_verify_a_gemma2_folder_from_the_command_line(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     from slimroute.cli import app
-    from slimroute.cpu import supported_dtypes
+    from slimroute.runtime.dtypes import supported_dtypes
 
     monkeypatch.setenv("SLIMROUTE_CACHE", str(tmp_path / "cache"))
     model, tok = tiny_model("gemma2")

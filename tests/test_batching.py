@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slimroute.batching import PaddingStats, pad_right, plan_batches
+from slimroute.engine.batching import PaddingStats, pad_right, plan_batches
 
 
 @settings(max_examples=200, deadline=None)

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from slimroute.bench import PeakRSS, classify_process_rss
+from slimroute.bench.speed import PeakRSS, classify_process_rss
 
 
 def test_peak_rss_is_the_blocks_own_peak():
@@ -24,8 +24,8 @@ def test_fresh_classify_process_reports_its_peak_rss(model_dir):
 
 def test_bench_runs_on_any_cpu_skips_what_it_cannot_run_and_survives_a_failing_row(model_dir, monkeypatch):
     """On a simulated AVX2-only CPU: bf16 is a row saying why, one failing row is reported, the rest run."""
-    from slimroute import bench
-    from slimroute.bench import markdown, run_bench
+    from slimroute.bench import speed as bench
+    from slimroute.bench.speed import markdown, run_bench
 
     monkeypatch.setenv("SLIMROUTE_CPU_FLAGS", "avx2 fma f16c")
     real_run_row = bench.run_row
@@ -49,7 +49,7 @@ def test_bench_runs_on_any_cpu_skips_what_it_cannot_run_and_survives_a_failing_r
     timed = sum(r["seconds"] for r in record["rows"] if r["note"] is None)  # a skipped row's 1.0 s is no time
     assert record["wall_s"] > timed  # the whole bench, loads included
     assert " in all" in table.splitlines()[0]
-    from slimroute.peers import llama_cpp_unavailable_reason
+    from slimroute.bench.peers import llama_cpp_unavailable_reason
 
     reason = llama_cpp_unavailable_reason()
     if reason is not None:  # the optional peer row names why it did not run

@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
-from slimroute.bench_accuracy import DESCRIPTIONS, labelled_tickets, markdown, run_accuracy_bench
-from slimroute.synth import synthetic_tickets
+from slimroute.bench.accuracy import DESCRIPTIONS, labelled_tickets, markdown, run_accuracy_bench
+from slimroute.io.synth import synthetic_tickets
 from slimroute.task import Task
 
 ROOT = Path(__file__).resolve().parents[1]

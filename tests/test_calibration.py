@@ -9,7 +9,7 @@ from conftest import _cached
 from test_equivalence import LABEL_SETS, assert_equal
 from tiny import make_text
 
-from slimroute.calibration import (
+from slimroute.accuracy.calibration import (
     CONTENT_FREE_TEXTS,
     Offsets,
     content_free_offsets,
@@ -18,9 +18,9 @@ from slimroute.calibration import (
     prepare_offsets,
 )
 from slimroute.config import EngineConfig
-from slimroute.engine import Engine
+from slimroute.engine.fast import Engine
+from slimroute.engine.reference import ReferenceClassifier
 from slimroute.labels import Prediction, make_prediction, redecide
-from slimroute.reference import ReferenceClassifier
 from slimroute.task import Task
 
 LABEL_SETS = {**LABEL_SETS, "one-token": ("a", "b", "c")}  # the tiny tokenizer's "billing" is 3 tokens

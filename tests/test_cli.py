@@ -161,17 +161,18 @@ def test_a_failed_write_keeps_the_committed_windows_and_says_how_to_resume(tmp_p
 
 
 def test_an_input_that_breaks_part_way_exits_2(tmp_path, src, invoke, monkeypatch):
-    from slimroute import data
+    from slimroute.backends import local
+    from slimroute.io.rows import InputError
 
-    real = data.iter_rows
+    real = local.iter_rows
 
     def breaks_after_three(*args):
         for row in real(*args):
             if row.index == 3:
-                raise data.InputError("'in.csv' is not valid CSV near line 5")
+                raise InputError("'in.csv' is not valid CSV near line 5")
             yield row
 
-    monkeypatch.setattr(data, "iter_rows", breaks_after_three)
+    monkeypatch.setattr(local, "iter_rows", breaks_after_three)
     result = invoke(src, "--labels", LABELS, "--out", tmp_path / "out.jsonl", "--window", "2")
     assert result.exit_code == 2 and "not valid CSV near line 5" in result.text
     assert "2 rows (1 whole window) are committed" in result.text and "start over with --overwrite" in result.text

@@ -1,4 +1,4 @@
-"""slimroute.client against a live server, the task file, and `slimroute serve` end to end."""
+"""slimroute.backends.remote against a live server, the task file, and `slimroute serve` end to end."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from tiny import tiny_model
 from typer.testing import CliRunner
 
 from slimroute import cli
-from slimroute.client import RemoteClassifier, ServerError, ServerUnreachable
-from slimroute.data import Row
-from slimroute.engine import Engine
-from slimroute.jobs import classify_rows
+from slimroute.backends.local import classify_rows
+from slimroute.backends.remote import RemoteClassifier, ServerError, ServerUnreachable
+from slimroute.engine.fast import Engine
+from slimroute.io.rows import Row
 from slimroute.server import ServerSettings, create_app, load_task_set
 from slimroute.task import Task
 
@@ -260,8 +260,8 @@ def _ready(url: str) -> bool:
 
 
 def test_calibrated_task_with_descriptions_over_http(tiny):
-    from slimroute.calibration import content_free_offsets
-    from slimroute.engine import Engine
+    from slimroute.accuracy.calibration import content_free_offsets
+    from slimroute.engine.fast import Engine
     from slimroute.task import Task
 
     task = Task.from_dict({"labels": [{"name": "billing", "description": "money"}, "technical", "account"]})

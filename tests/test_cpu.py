@@ -7,7 +7,8 @@ import torch
 from typer.testing import CliRunner
 
 from slimroute.cli import app
-from slimroute.cpu import CpuFeatures, UnsupportedDtypeError, choose_dtype, cpuid, detect, supported_dtypes
+from slimroute.runtime.cpu import CpuFeatures, cpuid, detect
+from slimroute.runtime.dtypes import UnsupportedDtypeError, choose_dtype, supported_dtypes
 
 ZEN5 = CpuFeatures("AMD EPYC (Zen 5)", frozenset(
     "avx2 fma avx512f avx512bw avx512vl avx512dq avx512_bf16 avx512_vnni".split()), "AVX512", "x86_64")
@@ -67,7 +68,7 @@ def test_unknown_dtype_and_aliases():
 
 @needs_fbgemm
 def test_failing_int8_kernels_make_auto_fall_back_to_float32(monkeypatch):
-    import slimroute.int8 as int8
+    import slimroute.runtime.int8 as int8
 
     def broken(*args):
         raise RuntimeError("quantized::linear_prepack: simulated failure")

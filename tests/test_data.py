@@ -8,17 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from slimroute.data import (
-    InputError,
-    PredictionWriter,
-    Row,
-    count_rows,
-    iter_records,
-    iter_rows,
-    output_record,
-    read_rows,
-    record_columns,
-)
+from slimroute.io.records import PredictionWriter, output_record
+from slimroute.io.rows import InputError, Row, count_rows, iter_records, iter_rows, read_rows, record_columns
 from slimroute.labels import Prediction
 
 FORMATS = ("csv", "jsonl", "parquet")

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from tiny import make_text
 
 from slimroute.config import EngineConfig
-from slimroute.engine import Engine
-from slimroute.reference import ReferenceClassifier
+from slimroute.engine.fast import Engine
+from slimroute.engine.reference import ReferenceClassifier
 from slimroute.task import Example, Task
 
 LABEL_SETS = {
@@ -115,7 +115,7 @@ def test_decision_margin():
 def test_small_batches_share_a_scorer_call_and_report_every_item_once(tiny_qwen, monkeypatch):
     """classify gathers the label scorer's rows over small batches (engine.SCORER_ROWS) before one head call:
     the same predictions as a call per batch, and progress / on_results still see each batch, every item once."""
-    import slimroute.engine as engine_module
+    import slimroute.engine.fast as engine_module
 
     model, tok = tiny_qwen
     task = Task(LABEL_SETS["multi"])
@@ -142,7 +142,7 @@ def test_a_failing_batch_still_hands_out_the_answers_of_the_batches_before_it(ti
     out (on_results) before the error goes up, as when each batch was scored at once."""
     model, tok = tiny_qwen
     engine = Engine(model, tok, Task(LABEL_SETS["single"]), EngineConfig(batch_size=2, sort=False))
-    real, calls = engine._score_batch, []
+    real, calls = engine._run_batch, []
 
     def third_fails(seqs):
         calls.append(len(seqs))
@@ -150,7 +150,7 @@ def test_a_failing_batch_still_hands_out_the_answers_of_the_batches_before_it(ti
             raise RuntimeError("simulated failure in the third batch")
         return real(seqs)
 
-    monkeypatch.setattr(engine, "_score_batch", third_fails)
+    monkeypatch.setattr(engine, "_run_batch", third_fails)
     done = []
     with pytest.raises(RuntimeError, match="third batch"):
         engine.classify([f"ticket number {i}" for i in range(8)], on_results=done.extend)
@@ -160,7 +160,7 @@ def test_a_failing_batch_still_hands_out_the_answers_of_the_batches_before_it(ti
 def test_the_last_layers_mlp_runs_only_on_the_rows_read(tiny_qwen):
     """Only the items' last tokens leave the last decoder layer's MLP (engine.rows_only): it sees B rows, not
     B x L, the answers are those of the whole pass, and the hooks are gone afterwards."""
-    from slimroute.engine import rows_only
+    from slimroute.engine.fast import rows_only
 
     model, tok = tiny_qwen
     engine = Engine(model, tok, Task(LABEL_SETS["multi"]), EngineConfig(batch_size=8))

@@ -17,8 +17,8 @@ from sklearn.utils import estimator_checks as checks
 from test_tune import INTENTS, banking_rows
 
 import slimroute
+from slimroute.engine.reference import ReferenceClassifier
 from slimroute.estimator import SlimRouteClassifier
-from slimroute.reference import ReferenceClassifier
 
 ROWS = banking_rows(6)
 TEXTS = [row["text"] for row in ROWS]

@@ -7,8 +7,8 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from slimroute import cli
-from slimroute.data import InputError
-from slimroute.evaluate import evaluate_files
+from slimroute.accuracy.evaluate import evaluate_files
+from slimroute.io.rows import InputError
 
 GOLD = [{"id": "1", "text": "x", "label": "billing"}, {"id": "2", "text": "x", "label": "technical"},
         {"id": "3", "text": "x", "label": "account"}, {"id": "4", "text": "x", "label": "billing"},

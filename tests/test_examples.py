@@ -5,8 +5,8 @@ import json
 import pytest
 from test_cli import LABELS, invoke, src  # noqa: F401 (fixtures)
 
-from slimroute.data import InputError
-from slimroute.examples import read_examples, select_examples, with_examples_from
+from slimroute.accuracy.examples import read_examples, select_examples, with_examples_from
+from slimroute.io.rows import InputError
 from slimroute.task import Example, Task
 
 PAIRS = [("refund", "billing"), ("crash", "technical"), ("charged twice", "billing"), ("login", "account"),

@@ -10,11 +10,11 @@ import torch
 from test_equivalence import LABEL_SETS
 from tiny import make_text, tiny_model
 
+from slimroute.accuracy.head import FEATURE_SETS, Head, HeadMismatchError, check_out, feature_states, task_spec
 from slimroute.config import EngineConfig
-from slimroute.engine import Engine
-from slimroute.fingerprint import identity
-from slimroute.head import FEATURE_SETS, Head, HeadMismatchError, check_out, feature_states, task_spec
-from slimroute.reference import ReferenceClassifier
+from slimroute.engine.fast import Engine
+from slimroute.engine.reference import ReferenceClassifier
+from slimroute.runtime.fingerprint import identity
 from slimroute.task import Task
 
 HEAD_LABELS = tuple(f"intent_{i}" for i in range(12))  # more labels than the task: the head decides alone
@@ -89,7 +89,7 @@ def test_head_decision_is_the_argmax_of_its_log_probs(tiny_qwen):
 
 def test_a_head_is_never_calibrated(tiny_qwen):
     """Calibration offsets are for label tokens; with a head both paths refuse them (ValueError)."""
-    from slimroute.calibration import Offsets
+    from slimroute.accuracy.calibration import Offsets
 
     model, tok = tiny_qwen
     task = Task(LABEL_SETS["single"])

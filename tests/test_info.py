@@ -8,8 +8,9 @@ import pytest
 from typer.testing import CliRunner
 
 from slimroute import cli
-from slimroute.cpu import detect, int8_kernels_available
-from slimroute.int8 import _onednn_problem
+from slimroute.runtime.cpu import detect
+from slimroute.runtime.dtypes import int8_kernels_available
+from slimroute.runtime.int8 import _onednn_problem
 
 AVX2_ONLY = "avx avx2 fma f16c sse4_2"  # AMD Zen 3 and most laptops
 ZEN4 = "avx2 fma avx512f avx512bw avx512vl avx512dq avx512_bf16 avx512_vnni"

@@ -10,19 +10,15 @@ from test_output_head import q8_0
 from tiny import make_text, tiny_model
 from torch import nn
 
-from slimroute.attention import invariant_attention
 from slimroute.config import EngineConfig
-from slimroute.cpu import detect, int8_kernels_available
-from slimroute.engine import Engine
-from slimroute.int8 import (
-    Int8Linear,
-    _onednn_problem,
-    int8_failure,
-    quantize_model,
-)
-from slimroute.kernels import set_attention
-from slimroute.output_head import RowBlockedLinear
-from slimroute.reference import ReferenceClassifier
+from slimroute.engine.fast import Engine
+from slimroute.engine.reference import ReferenceClassifier
+from slimroute.runtime.attention import invariant_attention, set_attention
+from slimroute.runtime.cpu import detect
+from slimroute.runtime.dtypes import int8_kernels_available
+from slimroute.runtime.int8 import Int8Linear, _onednn_problem, int8_failure
+from slimroute.runtime.output_head import RowBlockedLinear
+from slimroute.runtime.quantize import quantize_model
 from slimroute.task import Task
 
 CPU = detect()
@@ -64,7 +60,7 @@ def test_onednn_int8_kernel_gives_fbgemms_products_and_rows_that_do_not_depend_o
     """Integers add exactly in any order: fed the same integers, oneDNN's kernel (AMX tiles or VNNI where the CPU
     has them) and fbgemm's give the same bits; and oneDNN's rows (8-bit activations) do not depend on the rows
     around them."""
-    from slimroute.int8 import ACTIVATIONS, quantize_weight
+    from slimroute.runtime.int8 import ACTIVATIONS, quantize_weight
 
     torch.manual_seed(2)
     linear = nn.Linear(896, 200)
@@ -87,7 +83,7 @@ def test_onednn_int8_kernel_gives_fbgemms_products_and_rows_that_do_not_depend_o
 def test_onednn_int8_layer_keeps_no_view_of_its_inputs():
     """A view of a tensor read from the int8 cache file keeps the whole file mapped and resident (it cost 0.35 GB
     of RSS): the layer must own copies."""
-    from slimroute.int8 import quantize_weight
+    from slimroute.runtime.int8 import quantize_weight
 
     qweight, scale = quantize_weight(nn.Linear(64, 32).weight)
     layer = Int8Linear(qweight, scale, None, kernel="onednn")
@@ -97,8 +93,8 @@ def test_onednn_int8_layer_keeps_no_view_of_its_inputs():
 
 
 def test_pick_kernel_takes_onednn_only_with_a_vnni_and_only_when_its_probe_passes(monkeypatch, caplog):
-    from slimroute import int8
-    from slimroute.cpu import CpuFeatures
+    from slimroute.runtime import int8
+    from slimroute.runtime.cpu import CpuFeatures
 
     def cpu(name, flags):
         return CpuFeatures(name, frozenset(flags.split()), "AVX512" if "avx512f" in flags else "AVX2", "x86_64")
@@ -141,7 +137,7 @@ def test_int8_accumulation_is_exact(kernel):
     """fbgemm's 7-bit activations cannot saturate its int16 pair sums, oneDNN's 8-bit ones add into int32 (VNNI):
     the output is the exact integer product times the weight scales, down to the last bit, also for the largest
     sum a row can have."""
-    from slimroute.int8 import ACTIVATIONS, quantize_weight
+    from slimroute.runtime.int8 import ACTIVATIONS, quantize_weight
 
     act_max, shift = ACTIVATIONS[kernel]
     torch.manual_seed(1)
@@ -160,7 +156,7 @@ def test_int8_accumulation_is_exact(kernel):
 def test_the_onednn_probe_refuses_a_kernel_whose_sums_saturate(monkeypatch):
     """Without a VNNI a kernel adds pairs of u8 x s8 products in int16, which saturates for 8-bit activations: the
     probe behind pick_kernel sees the wrong products (simulated here on any CPU) and oneDNN is not taken."""
-    from slimroute import int8
+    from slimroute.runtime import int8
 
     def saturating(self, q):  # u8 (q + shift) x s8 weight, pairs added in int16 with saturation, then int32
         weight = self.int8_weight.double()
@@ -210,7 +206,7 @@ def test_invariant_attention_with_segments_and_a_continuation_matches_eager_atte
     still ordinary attention, and the continuation's queries get the bits a pass of their own gives them."""
     from transformers.models.qwen2.modeling_qwen2 import eager_attention_forward
 
-    from slimroute.attention import segments
+    from slimroute.runtime.attention import segments
 
     batch, heads, queries, keys, dim = 2, 4, 70, 70, 16
     q, k, v, allowed = causal_attention_inputs(batch, heads, queries, keys, dim)
@@ -230,7 +226,7 @@ def test_continuation_attention_on_cached_tiles_gives_the_bits_of_the_keys_in_fu
     """A continuation pass's new keys marked with the batch's cached ones (CachedKeys: tiles made once, patched
     where a pass's keys go) give the bits of the cached keys copied behind each copy of the batch; a cache whose
     visible keys are not all in front (not a right-padded batch) falls back to those copies."""
-    from slimroute.attention import CachedKeys, segments
+    from slimroute.runtime.attention import CachedKeys, segments
 
     batch, copies, heads, kv_heads, cached_len, steps, dim = 3, 2, 4, 2, 70, 3, 16
     torch.manual_seed(1)
@@ -261,7 +257,7 @@ def test_continuation_attention_on_cached_tiles_gives_the_bits_of_the_keys_in_fu
 
 def test_invariant_attention_bits_do_not_depend_on_the_query_chunks(monkeypatch):
     """Long inputs run QUERY_TILES query tiles per pass: the same bits as one pass over every query."""
-    import slimroute.attention as attention
+    import slimroute.runtime.attention as attention
 
     batch, heads, queries, keys, dim = 2, 4, 200, 230, 16
     q, k, v, allowed = causal_attention_inputs(batch, heads, queries, keys, dim)
@@ -309,7 +305,7 @@ def test_int8_continuation_passes_give_the_references_bits_however_labels_share_
     "Technical Support" inside "Technical Support escalation..."); runs of different lengths (the shorter ones
     right-padded) share continuation passes up to CONTINUATION_ROW_KEYS, or run one a pass: the int8 reference's
     bits either way."""
-    import slimroute.engine as engine_module
+    import slimroute.engine.fast as engine_module
 
     monkeypatch.setattr(engine_module, "CONTINUATION_ROW_KEYS", row_keys)
     model, tok = tiny_int8
@@ -330,7 +326,7 @@ def test_int8_continuation_passes_give_the_references_bits_however_labels_share_
 def _quirky_gemms(monkeypatch):
     """Make the attention tiles' GEMMs round as MKL's AVX2 kernels may, on any CPU: a row's bits follow where it
     sits in the product (here: rows 4 and 5 of every 6) and whether an operand comes transposed."""
-    import slimroute.attention as attention
+    import slimroute.runtime.attention as attention
 
     def nudge(product: torch.Tensor, transposed: bool) -> torch.Tensor:
         rows = torch.arange(product.shape[-2]) % 6 >= 4
@@ -407,7 +403,7 @@ def test_quantised_weights_are_cached_and_reloaded_bitwise(tmp_path):
 
 
 def test_a_new_int8_cache_replaces_an_earlier_schemes_file(tmp_path):
-    from slimroute.int8 import SCHEME
+    from slimroute.runtime.quantize import SCHEME
 
     earlier = tmp_path / "int8-w127-a63-smooth-v3.safetensors"  # what an earlier version cached
     earlier.write_bytes(b"stale")
@@ -449,7 +445,7 @@ def test_a_q8_head_is_cached_compact_and_gives_the_references_bits(tmp_path):
 
 
 def test_int8_probe_failure_is_reported(monkeypatch):
-    import slimroute.int8 as int8
+    import slimroute.runtime.int8 as int8
 
     def broken(*args):
         raise RuntimeError("quantized::linear_prepack: simulated failure")
@@ -461,8 +457,8 @@ def test_int8_probe_failure_is_reported(monkeypatch):
 @pytest.mark.slow
 def test_int8_is_bitwise_equal_to_its_reference_on_the_packaged_smollm2(tmp_path, monkeypatch):
     """A real model (SmolLM2-135M, Llama architecture): padded, cached, batched int8 == one at a time, bitwise."""
-    from slimroute.models import load_model
-    from slimroute.synth import synthetic_tickets
+    from slimroute.io.synth import synthetic_tickets
+    from slimroute.runtime.load import load_model
 
     loaded = load_model("smollm2-135m", "int8", threads=2)
     assert (loaded.precision, loaded.attention) == ("int8", "invariant")
@@ -479,7 +475,7 @@ def test_invariant_attention_plans_a_mask_once_and_drops_the_plan_with_it():
     forward pass, made again for another mask or an edited one, and let go when its mask is."""
     import gc
 
-    import slimroute.attention as attention
+    import slimroute.runtime.attention as attention
 
     batch, heads, queries, keys, dim = 2, 4, 40, 50, 16
     q, k, v, allowed = causal_attention_inputs(batch, heads, queries, keys, dim)
@@ -499,7 +495,7 @@ def test_invariant_attention_plans_a_mask_once_and_drops_the_plan_with_it():
 def test_a_quantizer_feeds_only_its_own_kernel():
     """fbgemm takes 7-bit integers as floats, oneDNN 8-bit ones as shifted uint8 (ACTIVATIONS): a shared quantizer
     made for one kernel is refused by the other; both forms hold the row's integers at their resolution."""
-    from slimroute.int8 import ACTIVATIONS, Int8Linear, RowQuantizer
+    from slimroute.runtime.int8 import ACTIVATIONS, Int8Linear, RowQuantizer
 
     x = torch.randn(5, 64)
     as_floats, scale = RowQuantizer(kernel="fbgemm")(x)
@@ -516,10 +512,10 @@ def test_compiled_elementwise_gives_each_row_the_bits_it_gets_alone():
     """The fused (torch.compile) quantiser and MLP gate: a row's integers and scale do not depend on the rows
     around it (odd sizes: the vector loops' tails too); the quantiser's are eager's bits, the gate's eager's up to
     the last bits of silu."""
-    from slimroute.int8 import ACTIVATIONS, EAGER, Elementwise, elementwise
+    from slimroute.runtime.int8 import ACTIVATIONS, EAGER, Elementwise, elementwise
 
     if not elementwise().compiled:
-        pytest.skip("torch.compile does not work here (see the warning logged by slimroute.int8.elementwise)")
+        pytest.skip("torch.compile does not work here (see the warning logged by slimroute.runtime.int8.elementwise)")
     fused = Elementwise(compiled=True)
     generator = torch.Generator().manual_seed(4)
     gate, up = torch.randn(37, 72, generator=generator) * 3, torch.randn(37, 72, generator=generator)
@@ -543,10 +539,10 @@ def test_compiled_elementwise_gives_each_row_the_bits_it_gets_alone():
 
 
 def test_int8_model_fuses_its_gated_mlps_only_when_compiled():
-    from slimroute.int8 import Int8GatedMLP, elementwise
+    from slimroute.runtime.int8 import Int8GatedMLP, elementwise
 
     if not elementwise().compiled:
-        pytest.skip("torch.compile does not work here (see the warning logged by slimroute.int8.elementwise)")
+        pytest.skip("torch.compile does not work here (see the warning logged by slimroute.runtime.int8.elementwise)")
     compiled, _ = int8_model("qwen2", compiled=True)
     eager, _ = int8_model("qwen2", compiled=False)
     layers = compiled.get_decoder().layers
@@ -565,7 +561,7 @@ def test_int8_model_fuses_its_gated_mlps_only_when_compiled():
 def test_compile_failure_falls_back_to_eager_with_a_note(monkeypatch, caplog):
     """Where torch.compile fails (no C++ compiler, an unsupported platform), the int8 model runs its elementwise
     ops eagerly, with one warning line; SLIMROUTE_COMPILE=0 asks for that without a warning."""
-    import slimroute.int8 as int8
+    import slimroute.runtime.int8 as int8
 
     def broken(fn, **kwargs):
         def call(*args):
@@ -574,14 +570,14 @@ def test_compile_failure_falls_back_to_eager_with_a_note(monkeypatch, caplog):
 
     monkeypatch.setattr(int8, "_ELEMENTWISE", [])
     monkeypatch.setattr(torch, "compile", broken)
-    with caplog.at_level("WARNING", logger="slimroute.int8"):
+    with caplog.at_level("WARNING", logger="slimroute.runtime.int8"):
         assert not int8.elementwise().compiled
     assert "torch.compile does not work here (simulated: no C++ compiler found)" in caplog.text
     assert len(caplog.records) == 1
     caplog.clear()
     monkeypatch.setattr(int8, "_ELEMENTWISE", [])
     monkeypatch.setenv("SLIMROUTE_COMPILE", "0")
-    with caplog.at_level("WARNING", logger="slimroute.int8"):
+    with caplog.at_level("WARNING", logger="slimroute.runtime.int8"):
         assert not int8.elementwise().compiled
     assert not caplog.records
 
@@ -589,7 +585,7 @@ def test_compile_failure_falls_back_to_eager_with_a_note(monkeypatch, caplog):
 def test_inductor_cache_is_kept_per_cpu_capability(monkeypatch, tmp_path):
     """Inductor's cache key leaves the vector ISA out: kernels made for AVX-512 and read back with torch held to
     AVX2 gave garbage. slimroute keeps one cache per capability, and leaves a cache folder the user chose alone."""
-    import slimroute.int8 as int8
+    import slimroute.runtime.int8 as int8
 
     monkeypatch.setenv("SLIMROUTE_CACHE", str(tmp_path))
     for capability in ("AVX512", "AVX2"):

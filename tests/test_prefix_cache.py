@@ -3,8 +3,8 @@ import torch
 from tiny import tiny_model
 
 from slimroute.config import EngineConfig
-from slimroute.engine import Engine
-from slimroute.prefix_cache import PrefixCache, continue_cache
+from slimroute.engine.fast import Engine
+from slimroute.engine.prefix_cache import PrefixCache, continue_cache
 from slimroute.task import Prompt, Task
 
 
@@ -71,7 +71,7 @@ def test_continue_cache_repeats_the_rows_and_leaves_the_original_unchanged(slidi
 def test_continue_cache_hands_the_invariant_attention_the_new_keys_marked_with_the_cached_ones(invariant):
     """With a list kept across a batch's passes, a model with the batch-invariant attention gets the pass's new keys
     alone, marked with the batch's cached keys (made once, for every pass); any other attention gets them in full."""
-    from slimroute.attention import CachedKeys, register
+    from slimroute.runtime.attention import CachedKeys, register
 
     model, tok = tiny_model("qwen2")
     if invariant:

@@ -16,6 +16,7 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.data.context")  # Ray's own, on copy
 
 
+from slimroute.backends.local import classify_rows  # noqa: E402
 from slimroute.backends.ray import (  # noqa: E402
     SUMMARY_FILE,
     ClassifierActor,
@@ -25,14 +26,20 @@ from slimroute.backends.ray import (  # noqa: E402
     rows_of,
     run_ray_job,
 )
-from slimroute.data import InputError, output_record, read_rows  # noqa: E402
-from slimroute.engine import Engine  # noqa: E402
-from slimroute.jobs import classify_rows  # noqa: E402
-from slimroute.models import load_model  # noqa: E402
-from slimroute.synth import synthetic_tickets  # noqa: E402
+from slimroute.engine.fast import Engine  # noqa: E402
+from slimroute.io.records import output_record  # noqa: E402
+from slimroute.io.rows import InputError, read_rows  # noqa: E402
+from slimroute.io.synth import synthetic_tickets  # noqa: E402
+from slimroute.router import Recipe  # noqa: E402
+from slimroute.runtime.load import load_model  # noqa: E402
 from slimroute.task import Task  # noqa: E402
 
 TASK = Task.from_labels("billing,technical,account")
+
+
+def recipe(model_dir, config=None):
+    return Recipe.of(str(model_dir), TASK, config=config)
+
 LABELS = list(TASK.labels)
 BAD_LINES = [
     '{"id": "empty", "text": "", "label": "billing"}',
@@ -102,7 +109,7 @@ def assert_same_answers(got: dict[str, dict], want: dict[str, dict]) -> None:
 @pytest.fixture(scope="module")
 def ray_job(local_ray, model_dir, tickets_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("out") / "predictions.parquet"
-    summary = run_ray_job(tickets_path, out, TASK, model_dir, replicas=2, threads_per_replica=1, block_rows=8)
+    summary = run_ray_job(tickets_path, out, recipe(model_dir), replicas=2, threads_per_replica=1, block_rows=8)
     return summary, out
 
 
@@ -159,7 +166,7 @@ def test_a_folder_of_csv_parquet_and_jsonl_files(local_ray, model_dir, tmp_path)
     (folder / "_ignored.jsonl").write_text("{}\n")
     out = tmp_path / "out.jsonl"
 
-    summary = run_ray_job(folder, out, TASK, model_dir, replicas=1, threads_per_replica=1, block_rows=4)
+    summary = run_ray_job(folder, out, recipe(model_dir), replicas=1, threads_per_replica=1, block_rows=4)
 
     got = by_id(read_shards(out))
     want = {**local_records(folder / "a.csv", model_dir), **local_records(folder / "nested" / "b.parquet", model_dir),
@@ -191,7 +198,7 @@ def test_a_killed_replica_is_restarted_and_no_row_is_lost_or_duplicated(ray_job,
             return super().__call__(batch)
 
     rows = read_rows_dataset(tickets_path, block_rows=8).materialize()
-    result = classify_dataset(rows, TASK, model_dir, replicas=1, threads_per_replica=1, label_column="gold",
+    result = classify_dataset(rows, recipe(model_dir), replicas=1, threads_per_replica=1, label_column="gold",
                               block_rows=8, telemetry=True, replica_cls=KilledOnce).take_all()
 
     assert os.path.exists(marker), "the replica was never killed"
@@ -206,7 +213,7 @@ def test_classify_dataset_takes_any_dataset_and_its_column_names(local_ray, mode
                {"key": 5, "body": "I cannot log in to my account"}]
     ds = ray.data.from_items(records)
 
-    got = by_id(classify_dataset(ds, TASK, model_dir, text_column="body", id_column="key").take_all())
+    got = by_id(classify_dataset(ds, recipe(model_dir), text_column="body", id_column="key").take_all())
 
     assert set(got) == {"1", "2", "3", "5", None}
     assert got[None]["error"] == "id column 'key' is empty in this row"
@@ -223,21 +230,21 @@ def test_usage_errors_are_raised_before_any_work(local_ray, model_dir, tickets_p
     csv_path = tmp_path / "t.csv"
     csv_path.write_text("id,text\n1,hello\n")
     with pytest.raises(InputError, match="text column 'body' is not in"):
-        run_ray_job(csv_path, tmp_path / "o1", TASK, model_dir, text_column="body")
+        run_ray_job(csv_path, tmp_path / "o1", recipe(model_dir), text_column="body")
     with pytest.raises(InputError, match="does not exist"):
-        run_ray_job(tmp_path / "missing.jsonl", tmp_path / "o2", TASK, model_dir)
+        run_ray_job(tmp_path / "missing.jsonl", tmp_path / "o2", recipe(model_dir))
     with pytest.raises(ValueError, match="Parquet or JSONL shards"):
-        run_ray_job(tickets_path, tmp_path / "o3.csv", TASK, model_dir)
+        run_ray_job(tickets_path, tmp_path / "o3.csv", recipe(model_dir))
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "keep.txt").write_text("not ours")
     with pytest.raises(ValueError, match="not a slimroute output"):
-        run_ray_job(tickets_path, foreign, TASK, model_dir)
+        run_ray_job(tickets_path, foreign, recipe(model_dir))
     assert (foreign / "keep.txt").read_text() == "not ours"
     with pytest.raises(ValueError, match="need 4 CPUs but the Ray cluster has 2"):
-        run_ray_job(tickets_path, tmp_path / "o4", TASK, model_dir, replicas=2, threads_per_replica=2)
+        run_ray_job(tickets_path, tmp_path / "o4", recipe(model_dir), replicas=2, threads_per_replica=2)
     with pytest.raises(ValueError, match="replicas must be an integer >= 1"):
-        classify_dataset(ray.data.from_items([{"id": "1", "text": "x"}]), TASK, model_dir, replicas=0)
+        classify_dataset(ray.data.from_items([{"id": "1", "text": "x"}]), recipe(model_dir), replicas=0)
 
 
 def test_input_files_from_a_file_a_folder_or_a_glob(tmp_path):
@@ -272,7 +279,7 @@ def test_a_replica_with_a_floor_writes_the_route_and_the_models_choice(model_dir
     plain = Engine.from_loaded(load_model(model_dir, threads=1), TASK).classify(texts)
     chosen = sorted(p.probs[p.label] for p in plain)
     config = EngineConfig(min_prob=(chosen[2] + chosen[3]) / 2, fallback_label="human")
-    replica = ClassifierActor(TASK, str(model_dir), str(model_dir), config, threads=1)
+    replica = ClassifierActor(recipe(model_dir, config), str(model_dir), threads=1)
     out = replica(pa.table({"id": [str(i) for i in range(6)], "text": texts})).to_pylist()
     assert replica.schema.names[:3] == ["id", "label", "model_label"]
     assert [r["model_label"] for r in out] == [p.label for p in plain]

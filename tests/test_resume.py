@@ -17,10 +17,10 @@ from test_jobs import LABELS, SETTINGS, StubClassifier, fail_on_commit, run, tic
 from typer.testing import CliRunner
 
 from slimroute import cli
-from slimroute.data import iter_rows
-from slimroute.jobs import JobSummary, run_job
-from slimroute.output import DurableOutput, input_fingerprint, parts_path, progress_path
-from slimroute.synth import synthetic_tickets
+from slimroute.backends.local import JobSummary, run_job
+from slimroute.io.durable import DurableOutput, input_fingerprint, parts_path, progress_path
+from slimroute.io.rows import iter_rows
+from slimroute.io.synth import synthetic_tickets
 
 WINDOW = 10
 
@@ -156,7 +156,8 @@ import os, signal, sys, time
 # Ctrl-C as in a terminal: a test run started in the background (`&`, nohup) has SIGINT ignored, which the job
 # inherits and Python keeps; it then saw a Ctrl-C only inside a commit (interrupts_deferred): the test failed at times
 signal.signal(signal.SIGINT, signal.default_int_handler)
-from slimroute import cli, output
+from slimroute import cli
+from slimroute.io import durable as output
 pause_after, commit = int(os.environ["PAUSE_AFTER"]), output.DurableOutput.commit
 def paced(self, *args):
     commit(self, *args)

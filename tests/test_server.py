@@ -23,10 +23,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from tiny import tiny_model
 
 from slimroute.config import EngineConfig
-from slimroute.engine import Engine
+from slimroute.engine.fast import Engine
+from slimroute.io.synth import synthetic_tickets
 from slimroute.server import BatchSettings, ServerSettings, create_app
 from slimroute.server.microbatch import MicroBatcher
-from slimroute.synth import synthetic_tickets
 from slimroute.task import Task
 
 LABELS = "billing,technical,account"
@@ -303,7 +303,7 @@ def test_bad_input_names_the_field_and_the_limit(strict_server, body, status, fi
 def test_a_task_that_reads_the_first_tokens_only_takes_texts_over_the_token_limit(tiny):
     """--max-text-tokens bounds the work a text asks for; a task reading no text further than the limit
     (truncate_tokens) answers a longer one, cut as the reference cuts it; a task reading further still refuses."""
-    from slimroute.reference import ReferenceClassifier
+    from slimroute.engine.reference import ReferenceClassifier
 
     settings = ServerSettings(batch=BatchSettings(max_text_tokens=100))
     long_text = "zq" * 100  # 200 tokens with the tiny tokenizer
@@ -483,7 +483,7 @@ sys.path.insert(0, {tests!r})
 import uvicorn
 from test_server import LABELS, Probe
 from tiny import tiny_model
-from slimroute.engine import Engine
+from slimroute.engine.fast import Engine
 from slimroute.server import BatchSettings, ServerSettings, create_app
 from slimroute.task import Task
 
@@ -538,7 +538,7 @@ def _ready(url: str) -> bool:
 
 
 def test_a_served_floor_routes_low_probability_texts_and_says_so(tiny, offline):
-    from slimroute.client import RemoteClassifier
+    from slimroute.backends.remote import RemoteClassifier
 
     texts = TEXTS[:8]
     chosen = sorted(offline[t].probs[offline[t].label] for t in texts)

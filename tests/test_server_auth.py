@@ -15,8 +15,8 @@ from tiny import tiny_model
 from typer.testing import CliRunner
 
 from slimroute import cli
-from slimroute.client import AccessDenied, RemoteClassifier
-from slimroute.engine import Engine
+from slimroute.backends.remote import AccessDenied, RemoteClassifier
+from slimroute.engine.fast import Engine
 from slimroute.server import ApiKeys, BatchSettings, ServerSettings, create_app, prepare, serve
 from slimroute.server.auth import gather_keys, is_loopback, read_key_file
 from slimroute.task import Task

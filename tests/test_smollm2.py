@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from slimroute.config import EngineConfig
-from slimroute.engine import Engine
-from slimroute.reference import ReferenceClassifier
-from slimroute.synth import synthetic_tickets
+from slimroute.engine.fast import Engine
+from slimroute.engine.reference import ReferenceClassifier
+from slimroute.io.synth import synthetic_tickets
 from slimroute.task import Prompt, Task, encode, render_prompt
 
 pytestmark = pytest.mark.slow
@@ -65,7 +65,7 @@ def test_a_tuned_head_on_the_fast_path_equals_the_reference(smollm2):
     """BANKING77 intents: a head tuned on the engine's hidden states gives the reference's log-probs."""
     from test_tune import banking_rows
 
-    from slimroute.tune import TuneConfig, tune_head
+    from slimroute.accuracy.tune import TuneConfig, tune_head
 
     model, tok = smollm2.model, smollm2.tokenizer
     rows = banking_rows(10)

@@ -13,10 +13,10 @@ from test_jobs import LABELS, SETTINGS, StubClassifier, run, tickets, write_json
 from typer.testing import CliRunner
 
 from slimroute import cli
-from slimroute.data import InputError, iter_rows, read_rows
-from slimroute.jobs import JobSummary, run_job
-from slimroute.output import OutputError, input_fingerprint
-from slimroute.stdio import StreamOutput, spooled_stdin
+from slimroute.backends.local import JobSummary, run_job
+from slimroute.io.durable import OutputError, input_fingerprint
+from slimroute.io.rows import InputError, iter_rows, read_rows
+from slimroute.io.stdio import StreamOutput, spooled_stdin
 
 
 def test_spooled_stdin_is_jsonl_or_text_lines_and_is_removed_afterwards():

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from slimroute.synth import CLASSES, synthetic_tickets, ticket_length_summary
+from slimroute.io.synth import CLASSES, synthetic_tickets, ticket_length_summary
 
 SAMPLE = Path(__file__).resolve().parents[1] / "data" / "tickets-600.jsonl"
 

@@ -18,12 +18,20 @@ from tiny import tiny_model
 from typer.testing import CliRunner
 
 from slimroute import cli
+from slimroute.accuracy.head import Head
+from slimroute.accuracy.tune import (
+    TuneConfig,
+    _logits,
+    check_labelled,
+    fit_head,
+    fit_temperature,
+    fit_tuned,
+    parse_layer,
+)
 from slimroute.config import EngineConfig
-from slimroute.engine import Engine
-from slimroute.head import Head
-from slimroute.models import load_model
+from slimroute.engine.fast import Engine
+from slimroute.runtime.load import load_model
 from slimroute.server import BatchSettings, ServerSettings, TaskSet, create_app, serve
-from slimroute.tune import TuneConfig, _logits, check_labelled, fit_head, fit_temperature, fit_tuned, parse_layer
 
 BANKING77 = Path(__file__).resolve().parents[1] / "data" / "banking77" / "train.csv"
 INTENTS = ("card_arrival", "exchange_rate", "lost_or_stolen_card", "top_up_failed")
@@ -114,7 +122,7 @@ def test_tune_writes_a_head_that_classify_and_verify_use(tmp_path, head_dir, lab
 
 def test_a_head_tuned_in_float32_serves_int8(tmp_path, head_dir, labelled, run):
     """The model fingerprint is the checkpoint's, taken before int8 smoothing rewrites the norms."""
-    from slimroute.int8 import int8_failure
+    from slimroute.runtime.int8 import int8_failure
 
     if int8_failure() is not None:
         pytest.skip(f"int8 does not run here: {int8_failure()}")
@@ -168,7 +176,7 @@ def test_calibrate_with_a_head_exits_2_and_writes_nothing(tmp_path, head_dir, la
             assert len(result.output.strip().splitlines()) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     with pytest.raises(ValueError, match="does not apply to a tuned head"):  # the Python API, before anything starts
-        from slimroute.calibration import CalibrationSettings
+        from slimroute.accuracy.calibration import CalibrationSettings
 
         head = Head.load(head_dir)
         serve(TaskSet({"default": head.task}, "default"), "unused", head=head, calibration=CalibrationSettings(
@@ -367,10 +375,10 @@ instructions: Route the banking question.
 def test_a_head_from_descriptions_scores_cosine_similarities(tiny_qwen, tmp_path):
     """From first principles: the mean states of the items, the descriptions and the content-free texts, the
     cosine similarity of item - centre and description - centre, times the scale, softmaxed."""
-    from slimroute.calibration import CONTENT_FREE_TEXTS
-    from slimroute.reference import ReferenceClassifier
+    from slimroute.accuracy.calibration import CONTENT_FREE_TEXTS
+    from slimroute.accuracy.tune import DESCRIPTION_SCALE, description_head, description_task
+    from slimroute.engine.reference import ReferenceClassifier
     from slimroute.task import Task
-    from slimroute.tune import DESCRIPTION_SCALE, description_head, description_task
 
     model, tok = tiny_qwen
     (tmp_path / "task.yaml").write_text(DESCRIBED_TASK)

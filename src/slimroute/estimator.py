@@ -18,18 +18,19 @@ import numpy as np
 from sklearn.base import BaseEstimator, ClassifierMixin
 from sklearn.utils.validation import check_is_fitted
 
+from slimroute.accuracy.calibration import fit_offsets
+from slimroute.accuracy.tune import DEFAULT_CS, TuneConfig, tune_head
 from slimroute.config import EngineConfig
-from slimroute.models import DEFAULT_MODEL
+from slimroute.router import Router
+from slimroute.runtime.load import LoadedModel, load_model
+from slimroute.runtime.packaged import DEFAULT_MODEL
 from slimroute.task import DEFAULT_INSTRUCTIONS, Task
-from slimroute.tune import DEFAULT_CS, TuneConfig
 
 MODES = ("head", "calibration")
 
 
 @functools.lru_cache(maxsize=2)
-def _loaded_model(model: str, dtype: str, threads: int | None, device: str):
-    from slimroute.models import load_model
-
+def _loaded_model(model: str, dtype: str, threads: int | None, device: str) -> LoadedModel:
     return load_model(model, dtype, threads, device)
 
 
@@ -89,9 +90,6 @@ class SlimRouteClassifier(ClassifierMixin, BaseEstimator):
         return tags
 
     def fit(self, X, y):
-        from slimroute.engine import Engine
-        from slimroute.tune import tune_head
-
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         texts, y = _texts(X), np.asarray(y)
@@ -103,11 +101,9 @@ class SlimRouteClassifier(ClassifierMixin, BaseEstimator):
             raise ValueError(f"the classes {list(classes)} are not distinct as strings")
         task = Task(tuple(names), self.instructions or DEFAULT_INSTRUCTIONS, truncate_tokens=self.truncate_tokens)
         loaded = self._loaded()
-        engine = Engine.from_loaded(loaded, task, self._engine_config())
+        engine = Router(loaded, task, self._engine_config()).engine
         golds = [str(label) for label in y]
         if self.mode == "calibration":  # zero-shot over the classes as labels, offsets fitted to the gold labels
-            from slimroute.calibration import fit_offsets
-
             offsets = fit_offsets(engine.classify(texts), golds, task.labels, "SlimRouteClassifier.fit")
             self.classes_, self.offsets_, self.head_, self.task_ = classes, offsets, None, task
         else:
@@ -141,12 +137,9 @@ class SlimRouteClassifier(ClassifierMixin, BaseEstimator):
         return self.head_.labels if self.head_ is not None else self.task_.labels
 
     def _classify(self, X):
-        from slimroute.engine import Engine
-
         check_is_fitted(self, "classes_")
         if getattr(self, "_engine", None) is None:
-            self._engine = Engine.from_loaded(self._loaded(), self.task_, self._engine_config(), self.head_,
-                                              self.offsets_)
+            self._engine = Router(self._loaded(), self.task_, self._engine_config(), self.head_, self.offsets_).engine
         return self._engine.classify(_texts(X))
 
     def _loaded(self):

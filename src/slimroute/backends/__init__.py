@@ -1,2 +1,2 @@
-"""Ways to run a classification job beyond one process. Each backend imports its engine lazily:
-`slimroute.backends.ray` needs the `ray` extra (`pip install -e ".[ray]"`)."""
+"""Ways to run a job over rows: local (this process: windows, durable output, resume), ray (Ray Data replicas; needs
+the `ray` extra: `pip install -e ".[ray]"`) and remote (a running `slimroute serve`)."""

@@ -1,6 +1,6 @@
 """Ray Data backend: the job of `slimroute classify`, spread over replicas of the fast Engine.
 
-    input files --read tasks, one per file (slimroute.data.iter_rows)--> blocks of `block_rows` rows
+    input files --read tasks, one per file (slimroute.io.rows.iter_rows)--> blocks of `block_rows` rows
         --ClassifierActor x replicas (model and prefix cache loaded once each)--> output records
         --> Parquet or JSONL shards in a folder, plus _slimroute_summary.json
 
@@ -21,6 +21,7 @@ import socket
 import time
 import warnings
 from collections.abc import Iterator
+from dataclasses import replace
 from itertools import islice
 from pathlib import Path
 
@@ -31,22 +32,11 @@ import ray.data
 from ray.data.datasource import BlockBasedFileDatasink
 from ray.util.annotations import RayDeprecationWarning
 
-from slimroute.config import EngineConfig
-from slimroute.data import (
-    FORMATS,
-    InputError,
-    Row,
-    _optional_str,
-    _text_of,
-    encode_records,
-    iter_rows,
-    output_record,
-    output_schema,
-)
-from slimroute.jobs import DEFAULT_WINDOW, JobSummary, classify_rows
+from slimroute.backends.local import DEFAULT_WINDOW, JobSummary, classify_rows
+from slimroute.io.records import encode_records, output_record, output_schema
+from slimroute.io.rows import FORMATS, InputError, Row, iter_rows, optional_str, text_of
 from slimroute.labels import Fallback
-from slimroute.models import DEFAULT_MODEL
-from slimroute.task import Task
+from slimroute.runtime.load import resolve
 
 log = logging.getLogger(__name__)
 
@@ -147,12 +137,12 @@ def rows_of(batch: pa.Table, text_column: str, id_column: str, label_column: str
     (Row.index is the position in the block.)"""
     rows = []
     for i, record in enumerate(batch.to_pylist()):
-        gold = _optional_str(record.get(label_column)) if label_column else None
-        row_id = _optional_str(record.get(id_column))
+        gold = optional_str(record.get(label_column)) if label_column else None
+        row_id = optional_str(record.get(id_column))
         if record.get(ERROR_COLUMN):
             text, error = None, record[ERROR_COLUMN]
         else:
-            text, error = _text_of(record, text_column)
+            text, error = text_of(record, text_column)
         if row_id is None:
             text, error = None, error or f"id column {id_column!r} is empty in this row"
         rows.append(Row(i, row_id, text, gold, error))
@@ -163,22 +153,21 @@ def rows_of(batch: pa.Table, text_column: str, id_column: str, label_column: str
 
 
 class ClassifierActor:
-    """One replica: loads the model and builds the prefix cache once, then classifies each block it is
-    given (the engine still sorts and buckets by length inside the block)."""
+    """One replica: builds its router from the recipe (the model and the prefix cache, once), then classifies each
+    block it is given (the engine still sorts and buckets by length inside the block).
 
-    def __init__(self, task: Task, model_path: str, model_spec: str, engine_config: EngineConfig | None,
-                 threads: int, dtype: str = "auto", text_column: str = "text", id_column: str = "id",
+    recipe: a slimroute.Recipe (or anything with its fields `model` and `threads` and a build() giving an object
+    with an `engine`): the driver chose the dtype once, every replica builds with that choice."""
+
+    def __init__(self, recipe, model_path: str, threads: int, text_column: str = "text", id_column: str = "id",
                  label_column: str | None = None, telemetry: bool = False):
-        from slimroute.engine import Engine
-        from slimroute.models import load_model
-
         start = time.perf_counter()
         # The driver resolved (converted) the model; a node that cannot see that folder resolves its own.
-        source = model_path if Path(model_path).is_dir() else model_spec
-        self.engine = Engine.from_loaded(load_model(source, dtype, threads), task, engine_config)
+        source = model_path if Path(model_path).is_dir() else recipe.model
+        self.engine = replace(recipe, model=source, threads=threads).build().engine
         self.engine.classify([WARMUP_TEXT])  # first-call allocations belong to startup, not the first block
         self.load_seconds = time.perf_counter() - start
-        self.labels = list(task.labels)
+        self.labels = list(self.engine.labels)
         self.columns = (text_column, id_column, label_column)
         self.telemetry = telemetry
         self.routed = self.engine.fallback is not None  # a fallback floor: model_label follows label
@@ -201,13 +190,13 @@ class ClassifierActor:
         return pa.Table.from_pylist(records, schema=self.schema)
 
 
-def classify_dataset(ds: ray.data.Dataset, task: Task, model_spec: str = DEFAULT_MODEL, *,
-                     engine_config: EngineConfig | None = None, replicas: int = 1,
-                     threads_per_replica: int = 1, dtype: str = "auto", text_column: str = "text",
+def classify_dataset(ds: ray.data.Dataset, recipe, *, replicas: int = 1, threads_per_replica: int = 1,
+                     text_column: str = "text",
                      id_column: str = "id", label_column: str | None = None, block_rows: int = DEFAULT_BLOCK_ROWS,
                      max_restarts: int = 3, telemetry: bool = False,
                      replica_cls: type = ClassifierActor) -> ray.data.Dataset:
-    """Lazily classify `ds` on `replicas` actors of `threads_per_replica` CPUs each.
+    """Lazily classify `ds` on `replicas` actors of `threads_per_replica` CPUs each, each built from `recipe`
+    (slimroute.Recipe: the model, the task, the dtype chosen once, the engine settings).
 
     Rows come back in the output schema (id, label, p_<label>..., truncated, error), in no particular
     order; `telemetry` adds the _replica, _gold, _batch_start/_end, _load_seconds and _rss_mb columns.
@@ -215,14 +204,11 @@ def classify_dataset(ds: ray.data.Dataset, task: Task, model_spec: str = DEFAULT
     comes out once. The model is resolved (a GGUF converted into the cache) once, here on the driver.
     If `ds` is read by tasks that need a CPU, leave one CPU free of replicas or they wait forever.
     """
-    from slimroute.models import resolve
-
     for name, value in (("replicas", replicas), ("threads_per_replica", threads_per_replica),
                         ("block_rows", block_rows)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    kwargs = dict(task=task, model_path=str(resolve(model_spec)), model_spec=model_spec,
-                  engine_config=engine_config, threads=threads_per_replica, dtype=dtype,
+    kwargs = dict(recipe=recipe, model_path=str(resolve(recipe.model)), threads=threads_per_replica,
                   text_column=text_column, id_column=id_column, label_column=label_column,
                   telemetry=telemetry)
     with warnings.catch_warnings():  # Ray 2.60 has no named parameter for max_restarts / max_task_retries
@@ -315,18 +301,18 @@ def summarise(result: ray.data.MaterializedDataset, labels: list[str], start: fl
             "per_replica": dict(sorted(per_replica.items()))}
 
 
-def run_ray_job(input_path, out_path, task: Task, model_spec: str = DEFAULT_MODEL,
-                engine_config: EngineConfig | None = None, replicas: int = 1,
-                threads_per_replica: int | None = None, ray_address: str | None = None,
-                text_column: str = "text", id_column: str = "id", label_column: str | None = None,
-                dtype: str = "auto", block_rows: int = DEFAULT_BLOCK_ROWS, runtime_env: dict | None = None) -> dict:
+def run_ray_job(input_path, out_path, recipe, replicas: int = 1, threads_per_replica: int | None = None,
+                ray_address: str | None = None, text_column: str = "text", id_column: str = "id",
+                label_column: str | None = None, block_rows: int = DEFAULT_BLOCK_ROWS,
+                runtime_env: dict | None = None) -> dict:
     """Classify a file, folder or glob of CSV / JSONL / Parquet into a folder of Parquet (or, for an
     `out_path` ending in .jsonl, JSONL) shards; returns the summary, also written to the folder.
 
     `threads_per_replica` defaults to the cluster's CPUs divided by `replicas`. Input and output paths
-    must be visible to every node (on a cluster: a shared file system)."""
-    if engine_config is not None and engine_config.fallback is not None:
-        engine_config.fallback.check(task.labels)  # before Ray starts
+    must be visible to every node (on a cluster: a shared file system). recipe: as classify_dataset's."""
+    task, fallback = recipe.task, recipe.config.fallback
+    if fallback is not None:
+        fallback.check(task.labels)  # before Ray starts
     files = input_files(input_path)
     out, fmt = Path(out_path), output_format(out_path)
     prefixes = check_inputs(files, text_column, id_column, label_column)
@@ -341,13 +327,11 @@ def run_ray_job(input_path, out_path, task: Task, model_spec: str = DEFAULT_MODE
         # Read everything first: read tasks need a CPU, and replicas may hold all of them once started.
         rows = _rows_dataset(files, prefixes, text_column, id_column, label_column, block_rows).materialize()
         read_seconds = time.perf_counter() - began - ray_init_seconds
-        result = classify_dataset(rows, task, model_spec, engine_config=engine_config, replicas=replicas,
-                                  threads_per_replica=threads, dtype=dtype, label_column="gold",
+        result = classify_dataset(rows, recipe, replicas=replicas, threads_per_replica=threads, label_column="gold",
                                   block_rows=block_rows, telemetry=True)
         classify_start = time.time()
         result = result.materialize()
-        summary = summarise(result, list(task.labels), classify_start,
-                            engine_config.fallback if engine_config is not None else None)
+        summary = summarise(result, list(task.labels), classify_start, fallback)
         shards = result.drop_columns(TELEMETRY_SCHEMA.names)
         if fmt == "jsonl":
             shards.write_datasink(_JsonlDatasink(str(out), min_rows_per_file=ROWS_PER_FILE))

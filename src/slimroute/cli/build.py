@@ -1,18 +1,24 @@
-"""What a command's flags build: the task (and head), the engine config, the calibration, the model, the classifier."""
+"""What a command's flags build: the task (and head), the engine config, the calibration, the router."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from slimroute.accuracy.calibration import CalibrationSettings
+from slimroute.accuracy.calibration import calibrated as calibrate_classifier
+from slimroute.accuracy.examples import with_examples_from
+from slimroute.accuracy.head import Head
 from slimroute.cli import ui
 from slimroute.config import EngineConfig
+from slimroute.io.rows import read_rows
+from slimroute.router import Router
+from slimroute.router import load as load_router
+from slimroute.runtime.dtypes import DtypeChoice, choose_dtype
+from slimroute.task import Task
 
 
 def build_task(labels, instructions, task_file, examples=None, shots=None, text_column="text", label_column=None,
-               truncate_tokens=None):
-    from slimroute.examples import with_examples_from
-    from slimroute.task import Task
-
+               truncate_tokens=None) -> Task:
     if task_file and labels:
         ui.fail("give either --task or --labels, not both")
     if task_file:
@@ -24,35 +30,23 @@ def build_task(labels, instructions, task_file, examples=None, shots=None, text_
     return with_examples_from(task.truncated_to(truncate_tokens), examples, shots, text_column, label_column or "label")
 
 
-def calibration_settings(calibrate, calibration_data, text_column, label_column):
-    from slimroute.calibration import CalibrationSettings
-
+def calibration_settings(calibrate, calibration_data, text_column, label_column) -> CalibrationSettings:
     return CalibrationSettings(calibrate, calibration_data, text_column, label_column or "label")
 
 
-def calibrated(classifier, calibration, stored: dict | None = None):
-    """calibration.calibrated behind a status line."""
-    from slimroute.calibration import calibrated as calibrate_classifier
-
+def calibrated(classifier, calibration: CalibrationSettings, stored: dict | None = None):
+    """accuracy.calibration.calibrated behind a status line."""
     if not calibration.on or stored is not None:
         return calibrate_classifier(classifier, calibration, stored)
     with ui.console.status(f"calibrating ({calibration.mode})"):
         return calibrate_classifier(classifier, calibration, stored)
 
 
-def load_head(head_dir):
-    from slimroute.head import Head
-
-    return Head.load(head_dir) if head_dir else None
-
-
 def task_and_head(labels, instructions, task_file, head_dir, examples=None, shots=None, text_column="text",
                   label_column=None, truncate_tokens=None):
     """(task, head or None, answer labels); with a head and neither --labels nor --task, the head's own task.
     --examples go into either prompt (a head then only fits if it was tuned with the same examples)."""
-    from slimroute.examples import with_examples_from
-
-    head = load_head(head_dir)
+    head = Head.load(head_dir) if head_dir else None
     if head is not None and labels is None and task_file is None:
         the_task = head.task if instructions is None else replace(head.task, instructions=instructions)
         the_task = with_examples_from(the_task.truncated_to(truncate_tokens), examples, shots, text_column,
@@ -78,36 +72,18 @@ def check_fallback(config: EngineConfig, answers) -> None:
         config.fallback.check(answers)
 
 
-def resolve_dtype(dtype: str, device: str):
-    """--dtype -> cpu.DtypeChoice; a dtype this CPU cannot run raises UnsupportedDtypeError (exit 2)."""
-    from slimroute.cpu import choose_dtype
-
+def resolve_dtype(dtype: str, device: str) -> DtypeChoice:
+    """--dtype -> DtypeChoice; a dtype this CPU cannot run raises UnsupportedDtypeError (exit 2)."""
     return choose_dtype(dtype, device=device)
 
 
-def load(model, dtype, threads, device):
-    from slimroute.models import load_model
-
-    choice = resolve_dtype(dtype, device)
+def load(model, task: Task, config: EngineConfig, dtype: str | DtypeChoice, threads, device, head=None) -> Router:
+    """The router for these flags, behind a status line; the dtype is chosen here unless it already was."""
+    choice = dtype if isinstance(dtype, DtypeChoice) else resolve_dtype(dtype, device)
     with ui.console.status(f"loading {model} ({choice})"):
-        loaded = load_model(model, choice.name, threads, device)
-    loaded.precision_reason = choice.reason
-    return loaded
+        return load_router(model, task, dtype=choice, head=head, config=config, threads=threads, device=device)
 
 
 def read_input(path, text_column, id_column, label_column, limit):
-    from slimroute.data import read_rows
-
     rows = read_rows(path, text_column, id_column, label_column)
     return rows[:limit] if limit else rows
-
-
-def make_classifier(loaded, task, config: EngineConfig, reference: bool = False, head=None):
-    if reference:
-        from slimroute.reference import ReferenceClassifier
-
-        return ReferenceClassifier(loaded.model, loaded.tokenizer, task, config.decision, loaded.max_positions,
-                                   head, fallback=config.fallback)
-    from slimroute.engine import Engine
-
-    return Engine.from_loaded(loaded, task, config, head)

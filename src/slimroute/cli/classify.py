@@ -1,5 +1,5 @@
 """`slimroute classify`: a file of rows in, one prediction per row out, committed window by window (local engine, a
-server, or Ray)."""
+server, or Ray). The job itself is backends.local.FileJob; this file holds the flags and what is printed."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import json
 import shlex
 import sys
 import time
-from itertools import islice
 from pathlib import Path
 
 import typer
 
+from slimroute.backends.local import FileJob, JobConfig, job_settings
+from slimroute.backends.remote import RemoteClassifier
 from slimroute.cli import options as opt
 from slimroute.cli import ui
 from slimroute.cli.build import (
@@ -21,12 +22,18 @@ from slimroute.cli.build import (
     check_fallback,
     engine_config,
     load,
-    make_classifier,
     resolve_dtype,
     task_and_head,
 )
-from slimroute.models import ModelNotFoundError
-from slimroute.report import print_summary
+from slimroute.cli.report import print_summary
+from slimroute.io.rows import InputError
+from slimroute.io.stdio import STDIO, StreamOutput, silence_stdout, spooled_stdin
+from slimroute.router import Recipe
+from slimroute.runtime.packaged import ModelNotFoundError
+from slimroute.runtime.threads import physical_cores
+from slimroute.task import Task
+
+MANY_MULTI_TOKEN_LABELS = 8  # from this many multi-token labels on, a note suggests shorter names or a head
 
 
 def classify(
@@ -60,46 +67,23 @@ def classify(
 
     Output is committed window by window; an interrupted job continues with --resume (docs/jobs.md). INPUT - reads
     standard input (JSONL, or one text per line); --out - writes JSONL to standard output."""
-    from slimroute.data import count_rows, iter_rows
-    from slimroute.jobs import JobConfig, JobSummary, job_settings
-    from slimroute.models import physical_cores
-    from slimroute.output import DurableOutput, input_fingerprint
-    from slimroute.stdio import STDIO, StreamOutput, spooled_stdin
-
-    if backend not in ("local", "ray"):
-        ui.fail(f"--backend must be local or ray, got {backend!r}")
-    if head and (server or backend != "local"):
-        ui.fail("--head runs on the local engine; leave out --server and --backend ray")
-    if calibrate != "none" and (backend == "ray" or server):
-        ui.fail("--calibrate runs with the local engine only: with --server it is the server's setting "
-             "(slimroute serve --calibrate); the Ray backend does not calibrate yet")
-    if examples is not None and server:
-        ui.fail("with --server the prompt is the server's; start it with slimroute serve --examples")
-    if (min_prob is not None or fallback_label is not None) and server:
-        ui.fail("with --server the fallback floor is the server's setting: slimroute serve --min-prob")
-    if truncate_tokens is not None and server:
-        ui.fail("with --server the server's task decides how much of a text is read: slimroute serve "
-                "--truncate-tokens")
+    check_combinations(backend, head, server, calibrate, examples, min_prob, fallback_label, truncate_tokens, input,
+                       out)
     try:
         config = engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort, decision, max_padding,
                                recheck_margin, min_prob, fallback_label)
     except ValueError as exc:
         ui.fail(str(exc))
-    if backend == "ray" and STDIO in (str(input), str(out)):
-        ui.fail("--backend ray reads and writes files: give INPUT and --out as paths, not -")
     if backend == "ray":
         return classify_on_ray(input, out, labels, instructions, task, model, dtype, text_column, id_column,
                                label_column, config, replicas, threads_per_replica, ray_address, examples, shots,
                                truncate_tokens)
+    columns = (text_column, id_column, label_column)
     try:
-        remote = None
-        if server:
-            from slimroute.client import RemoteClassifier
-            from slimroute.task import Task
-
-            remote = RemoteClassifier(server, server_task, api_key=api_key)
-            served = Task(remote.labels())  # checks the address, the key and the task before anything is written
-            the_task = build_task(labels, instructions, task) if (labels or task) else served
+        job = JobConfig(window, limit, resume, overwrite, errors)
+        remote = RemoteClassifier(server, server_task, api_key=api_key) if server else None
+        if remote is not None:  # checks the address, the key and the task before anything is written
+            the_task = build_task(labels, instructions, task) if (labels or task) else Task(remote.labels())
             the_head, answers = None, list(the_task.labels)
         else:
             the_task, the_head, answers = task_and_head(labels, instructions, task, head, examples, shots,
@@ -107,69 +91,71 @@ def classify(
         calibration = calibration_settings(calibrate, calibration_data, text_column, label_column)
         calibration.check_data(answers, the_head)  # before the model loads
         check_fallback(config, answers)
-        job = JobConfig(window, limit, resume, overwrite, errors)
         if str(input) == STDIO:  # read to its end into a temporary file, removed when the command ends
             input = ctx.with_resource(spooled_stdin(text_column=text_column))
-        rows = iter_rows(input, text_column, id_column, label_column)
-        choice = None if server else resolve_dtype(dtype, device)
+        choice = None if remote else resolve_dtype(dtype, device)
         settings = job_settings(
             task=the_task, config=config, model=model, dtype=choice.name if choice else dtype, device=device,
-            threads=threads or physical_cores(), reference=reference, window=job.window,
-            columns=(text_column, id_column, label_column), limit=job.limit, errors=job.errors,
-            server=server, server_task=server_task, head=the_head.digest if the_head else None,
-            calibration=calibration.fingerprint(), served=remote.answer_settings() if remote else None,
-        )
-        routed = bool(config.fallback or remote and remote.fallback())
-        if str(out) == STDIO:
-            output = StreamOutput(answers, input_fingerprint(input), settings, resume=job.resume, errors=job.errors,
-                                  raw_columns=calibration.on, routed_column=routed)
+            threads=threads or physical_cores(), reference=reference, window=job.window, columns=columns,
+            limit=job.limit, errors=job.errors, server=server, server_task=server_task,
+            head=the_head.digest if the_head else None, calibration=calibration.fingerprint(),
+            served=remote.answer_settings() if remote else None)
+        fallback = remote.fallback() if remote else config.fallback
+        file_job = FileJob(input, out, answers, settings, job, columns, calibration.on, fallback)
+        if remote is None:
+            router = load(model, the_task, config, choice, threads, device, the_head)
+            classifier = router.reference if reference else router.engine
         else:
-            output = DurableOutput.prepare(out, answers, input_fingerprint(input), settings,
-                                           resume=job.resume, overwrite=job.overwrite, errors=job.errors,
-                                           raw_columns=calibration.on, routed_column=routed)
-        classifier = remote or make_classifier(load(model, dtype, threads, device), the_task, config, reference,
-                                               the_head)
+            classifier = remote
         if (note := multi_token_note(getattr(classifier, "label_ids", []), the_head)) is not None:
             ui.console.print(note)
-        classifier, offsets = calibrated(classifier, calibration, output.record.calibration)
-        output.record.calibration = offsets.to_dict() if offsets is not None else None
+        classifier, offsets = calibrated(classifier, calibration, file_job.stored_calibration)
     except (ValueError, ModelNotFoundError) as exc:
         ui.fail(str(exc))
     except KeyboardInterrupt:
         ui.console.print("interrupted before the first row; nothing was written")
         raise typer.Exit(130) from None
-    if job.limit:
-        rows = islice(rows, job.limit)
-    total = count_rows(input)
-    if total is not None and job.limit:
-        total = min(total, job.limit)
-    summary = JobSummary.from_state(answers, output.record.summary, remote.fallback() if remote else config.fallback)
-    summary.dtype = str(choice) if choice else None
-    if output.resuming:
-        ui.console.print(f"resuming: {output.record.rows_done} rows ({output.record.windows_done} windows) "
-                      f"are already committed to {output.out}")
+    file_job.summary.dtype = str(choice) if choice else None
+    record = file_job.output.record
+    if file_job.output.resuming:
+        ui.console.print(f"resuming: {record.rows_done} rows ({record.windows_done} windows) are already committed "
+                         f"to {file_job.output.out}")
     elif job.resume:
         ui.console.print(f"nothing to resume for {out}; starting from the first row")
-    summary.seconds = run_job_with_progress(classifier, rows, output, summary, job.window, total,
-                                            calibration.mode == "batch")
-    stats = getattr(classifier, "stats", None)
-    if stats is not None:
-        summary.padding_overhead = stats.padding.overhead
+    summary = run_with_progress(file_job, classifier, calibration.mode == "batch",
+                                offsets.to_dict() if offsets is not None else None)
     cut = remote.task_info().get("truncate_tokens") if remote else the_task.truncate_tokens  # how far texts were read
     if summary.num_truncated:
         ui.console.print(truncation_note(summary.num_truncated, cut))
-    record = print_summary(ui.console, summary, classifier, output.record.calibration, cut)
+    written = print_summary(ui.console, summary, classifier, record.calibration, cut)
     if summary_json:
-        summary_json.write_text(json.dumps(record, indent=2))
+        summary_json.write_text(json.dumps(written, indent=2))
     if job.errors:
-        ui.console.print(f"wrote {summary.num_items - summary.num_errors} predictions to {output.out} "
-                      f"and {summary.num_errors} failed rows to {job.errors}")
+        ui.console.print(f"wrote {summary.num_items - summary.num_errors} predictions to {file_job.output.out} "
+                         f"and {summary.num_errors} failed rows to {job.errors}")
     else:
-        ui.console.print(f"wrote {summary.num_items} predictions to {output.out}")
+        ui.console.print(f"wrote {summary.num_items} predictions to {file_job.output.out}")
 
 
-MANY_MULTI_TOKEN_LABELS = 8  # BANKING77's 77 intents as labels, all several tokens: 0.74 items/s zero-shot (AMD
-# EPYC Zen 4, int8), where a tuned head answers in one pass
+def check_combinations(backend, head, server, calibrate, examples, min_prob, fallback_label, truncate_tokens, input,
+                       out) -> None:
+    """The flags that cannot go together: one line each, exit 2."""
+    if backend not in ("local", "ray"):
+        ui.fail(f"--backend must be local or ray, got {backend!r}")
+    if head and (server or backend != "local"):
+        ui.fail("--head runs on the local engine; leave out --server and --backend ray")
+    if calibrate != "none" and (backend == "ray" or server):
+        ui.fail("--calibrate runs with the local engine only: with --server it is the server's setting "
+                "(slimroute serve --calibrate); the Ray backend does not calibrate yet")
+    if examples is not None and server:
+        ui.fail("with --server the prompt is the server's; start it with slimroute serve --examples")
+    if (min_prob is not None or fallback_label is not None) and server:
+        ui.fail("with --server the fallback floor is the server's setting: slimroute serve --min-prob")
+    if truncate_tokens is not None and server:
+        ui.fail("with --server the server's task decides how much of a text is read: slimroute serve "
+                "--truncate-tokens")
+    if backend == "ray" and STDIO in (str(input), str(out)):
+        ui.fail("--backend ray reads and writes files: give INPUT and --out as paths, not -")
 
 
 def multi_token_note(label_ids, head=None) -> str | None:
@@ -195,37 +181,33 @@ def classify_on_ray(input, out, labels, instructions, task, model, dtype, text_c
                     config, replicas, threads_per_replica, ray_address, examples=None, shots=None,
                     truncate_tokens=None):
     try:
-        from slimroute.backends.ray import run_ray_job
+        from slimroute.backends.ray import run_ray_job  # lazy: ray is an optional extra
     except ImportError as exc:
         ui.fail(f"the Ray backend needs Ray: pip install 'slimroute[ray]' ({exc})")
     try:
         the_task = build_task(labels, instructions, task, examples, shots, text_column, label_column,
                               truncate_tokens)
-        summary = run_ray_job(input, out, the_task, model, config, replicas,
-                              threads_per_replica, ray_address, text_column, id_column, label_column, dtype)
+        recipe = Recipe(the_task, resolve_dtype(dtype, "cpu"), model, config)
+        summary = run_ray_job(input, out, recipe, replicas, threads_per_replica, ray_address, text_column, id_column,
+                              label_column)
     except (ValueError, ModelNotFoundError) as exc:
         ui.fail(str(exc))
     ui.console.print_json(json.dumps(summary))
 
 
-def run_job_with_progress(classifier, rows, output, summary, window: int, total: int | None,
-                          batch_calibration: bool = False) -> float:
-    """jobs.run_job behind a progress bar; seconds taken. Ctrl-C, a failed write or an input that turns
-    out to be malformed part-way end the command, saying what is committed and what to do."""
-    from slimroute.data import InputError
-    from slimroute.jobs import run_job
-    from slimroute.stdio import StreamOutput, silence_stdout
-
-    start = time.perf_counter()
+def run_with_progress(file_job: FileJob, classifier, batch_calibration: bool, calibration: dict | None):
+    """FileJob.run behind a progress bar. Ctrl-C, a failed write or an input that turns out to be malformed part-way
+    end the command, saying what is committed and what to do."""
+    output, summary, start = file_job.output, file_job.summary, time.perf_counter()
     try:
-        with output, ui.progress_bar() as bar:
-            task_id = bar.add_task("classify", total=total, completed=output.record.rows_done, rate="-")
+        with ui.progress_bar() as bar:
+            task_id = bar.add_task("classify", total=file_job.total, completed=output.record.rows_done, rate="-")
 
             def advance(n):
                 done = bar.tasks[0].completed + n - summary.num_resumed  # in this run
                 bar.update(task_id, advance=n, rate=f"{done / (time.perf_counter() - start):.1f}")
 
-            run_job(classifier, rows, output, summary, window, advance, batch_calibration)
+            return file_job.run(classifier, advance, batch_calibration, calibration)
     except BrokenPipeError:  # --out - and the reader stopped reading (`| head`): stop quietly, as Unix tools do
         silence_stdout()
         ui.console.print(f"standard output was closed after {output.record.rows_done} rows; stopped")
@@ -245,7 +227,6 @@ def run_job_with_progress(classifier, rows, output, summary, window: int, total:
         if isinstance(exc, InputError):
             ui.fail(f"{exc}\n{committed}; after fixing the input, start over with --overwrite")
         ui.fail(f"{exc}\n{committed}; once the cause is fixed, resume with: {resume_command()}", 1)
-    return time.perf_counter() - start
 
 
 def resume_command() -> str:

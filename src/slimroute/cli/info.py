@@ -7,7 +7,10 @@ from __future__ import annotations
 import json
 import os
 import platform
+from importlib.metadata import version
 
+import torch
+import transformers
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -15,6 +18,13 @@ from rich.text import Text
 
 from slimroute.cli import options as opt
 from slimroute.cli import ui
+from slimroute.runtime.cpu import cpuid, detect
+from slimroute.runtime.dtypes import choose_dtype, missing_feature, supported_dtypes
+from slimroute.runtime.int8 import activation_bits, pick_kernel
+from slimroute.runtime.linear import onednn_failure
+from slimroute.runtime.packaged import PACKAGED_MODELS, packaged_status
+from slimroute.runtime.paths import cache_dir
+from slimroute.runtime.threads import physical_cores
 
 DTYPES = ("float32", "bfloat16", "int8")
 # settings read from the environment that change what slimroute sees or runs (shown when set)
@@ -26,18 +36,11 @@ CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx5
 
 def machine_facts(device: str = "cpu") -> dict:
     """Everything `info` shows, as plain data."""
-    import torch
-    import transformers
-
-    from slimroute import __version__
-    from slimroute.cpu import choose_dtype, cpuid, detect, missing_feature, supported_dtypes
-    from slimroute.models import PACKAGED_MODELS, cache_dir, packaged_status, physical_cores
-
     cpu = detect()
     works = supported_dtypes(cpu, device)
     choice = choose_dtype("auto", cpu, device)
     return {
-        "versions": {"slimroute": __version__, "python": platform.python_version(), "torch": torch.__version__,
+        "versions": {"slimroute": version("slimroute"), "python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__},
         "cpu": {"model": cpu.model, **cpuid(), "machine": cpu.machine, "torch_capability": cpu.capability,
                 "flags": [flag for flag in CPU_FLAGS if flag in cpu.flags], "physical_cores": physical_cores(),
@@ -55,11 +58,6 @@ def machine_facts(device: str = "cpu") -> dict:
 
 def _kernels(works: list[str]) -> dict[str, str]:
     """Which special kernel each dtype that works here would run, tried on a small layer as at load."""
-    import torch
-
-    from slimroute.int8 import activation_bits, pick_kernel
-    from slimroute.kernels import onednn_failure
-
     kernels = {}
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         if name in works:

@@ -2,7 +2,7 @@
 
 import typer
 
-from slimroute.models import DEFAULT_MODEL
+from slimroute.runtime.packaged import DEFAULT_MODEL
 
 MODEL = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Packaged name, HF repo id, model folder or .gguf file.")
 DTYPE = typer.Option("auto", "--dtype", help="auto (from the CPU: int8 on x86 with AVX2, bfloat16 with native BF16 "

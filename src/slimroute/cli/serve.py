@@ -42,9 +42,9 @@ def serve(
 
     Calibration offsets are estimated or fitted once at startup (batch: from --calibration-data, never
     from requests) and fixed while the server runs."""
-    from slimroute.server import TaskSet, prepare
-    from slimroute.server import serve as run_server
-    from slimroute.server.tasks import with_accuracy_options
+    from slimroute.server import TaskSet, prepare  # lazy: fastapi and uvicorn load only to serve
+    from slimroute.server import serve as run_server  # lazy: as above
+    from slimroute.server.tasks import with_accuracy_options  # lazy: as above
 
     try:
         the_head, head_tasks = None, None
@@ -68,5 +68,5 @@ def serve(
         ui.fail(str(exc))
     ui.console.print(f"serving {', '.join(task_set.tasks)} on http://{host}:{port} (docs: /docs), loading {model} "
                   f"({choice})")
-    raise typer.Exit(run_server(task_set, model, dtype, threads, device, config, settings, host, port,
+    raise typer.Exit(run_server(task_set, model, choice, threads, device, config, settings, host, port,
                                 access_log=access_log, head=the_head, calibration=calibration))

@@ -8,10 +8,14 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from slimroute.accuracy import tune as tuning
+from slimroute.accuracy.head import check_out
 from slimroute.cli import options as opt
 from slimroute.cli import ui
-from slimroute.cli.build import build_task, engine_config, load, make_classifier, read_input
-from slimroute.models import ModelNotFoundError
+from slimroute.cli.build import build_task, engine_config, load, read_input
+from slimroute.cli.report import print_description_head
+from slimroute.runtime.packaged import ModelNotFoundError
+from slimroute.task import DEFAULT_INSTRUCTIONS, Task
 
 
 def tune(
@@ -48,10 +52,6 @@ def tune(
 
     The prompt is --task/--labels if given, else the rows' labels (sorted) with --instructions.
     With --from-descriptions and no input, the head comes from --task's label descriptions instead."""
-    from slimroute import tune as tuning
-    from slimroute.head import check_out
-    from slimroute.task import DEFAULT_INSTRUCTIONS, Task
-
     if from_descriptions:
         return tune_from_descriptions(input, out, labels, instructions, task, model, dtype, threads, device,
                                       engine_config(batch_size, max_batch_tokens, no_prefix_cache, False, "greedy"),
@@ -71,9 +71,9 @@ def tune(
         the_task = (build_task(labels, instructions, task, truncate_tokens=truncate_tokens) if labels or task
                     else Task(tuple(classes), instructions or DEFAULT_INSTRUCTIONS).truncated_to(truncate_tokens))
         tuning.check_label_features(the_task, classes, with_label_logprobs)
-        loaded = load(model, dtype, threads, device)
-        engine = make_classifier(loaded, the_task, engine_config(batch_size, max_batch_tokens, no_prefix_cache,
-                                                                 False, "greedy"))
+        settings = engine_config(batch_size, max_batch_tokens, no_prefix_cache, False, "greedy")
+        router = load(model, the_task, settings, dtype, threads, device)
+        engine, loaded = router.engine, router.loaded
     except (ValueError, ModelNotFoundError) as exc:
         ui.fail(str(exc))
     with ui.progress_bar() as bar:
@@ -96,9 +96,6 @@ def tune(
 
 def tune_from_descriptions(input, out, labels, instructions, task, model, dtype, threads, device, config, overwrite,
                            truncate_tokens=None):
-    from slimroute import tune as tuning
-    from slimroute.head import check_out
-
     try:
         if input is not None:
             raise ValueError("--from-descriptions takes no input file: it fits nothing. To measure the head on "
@@ -108,8 +105,8 @@ def tune_from_descriptions(input, out, labels, instructions, task, model, dtype,
         check_out(out, overwrite)
         described = build_task(labels, instructions, task, truncate_tokens=truncate_tokens)
         prompt = tuning.description_task(described)
-        loaded = load(model, dtype, threads, device)
-        engine = make_classifier(loaded, prompt, config)
+        router = load(model, prompt, config, dtype, threads, device)
+        engine, loaded = router.engine, router.loaded
     except (ValueError, ModelNotFoundError) as exc:
         ui.fail(str(exc))
     with ui.console.status(f"scoring {len(prompt.labels)} descriptions"):
@@ -117,6 +114,4 @@ def tune_from_descriptions(input, out, labels, instructions, task, model, dtype,
                                                                                               task),
                                        truncate_tokens=described.truncate_tokens)
     head.save(out, overwrite)
-    from slimroute.report import print_description_head
-
     print_description_head(ui.console, head, out, tuning.DESCRIPTION_SCALE)

@@ -3,6 +3,8 @@
 import typer
 from rich.console import Console
 
+from slimroute.cli import report
+
 console = Console(stderr=True)
 
 
@@ -12,12 +14,8 @@ def fail(message: str, code: int = 2):
 
 
 def progress_bar():
-    from slimroute.report import progress_bar as bar
-
-    return bar(console)
+    return report.progress_bar(console)
 
 
 def run_with_progress(classifier, rows, label="classify"):
-    from slimroute.report import run_with_progress as run
-
-    return run(console, classifier, rows, label)
+    return report.run_with_progress(console, classifier, rows, label)

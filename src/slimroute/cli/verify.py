@@ -8,6 +8,7 @@ from pathlib import Path
 
 import typer
 
+from slimroute.accuracy.calibration import estimate_offsets
 from slimroute.cli import options as opt
 from slimroute.cli import ui
 from slimroute.cli.build import (
@@ -16,11 +17,11 @@ from slimroute.cli.build import (
     check_fallback,
     engine_config,
     load,
-    make_classifier,
     read_input,
     task_and_head,
 )
-from slimroute.models import ModelNotFoundError
+from slimroute.engine.verify import compare
+from slimroute.runtime.packaged import ModelNotFoundError
 
 
 def verify(
@@ -41,9 +42,6 @@ def verify(
     With --head both apply the head, to the hidden state each computes; its log-probs are compared.
     Calibration offsets are estimated once (by the fast path; batch: over all the rows verified) and
     applied to both paths."""
-    from slimroute.calibration import estimate_offsets
-    from slimroute.verify import compare
-
     try:
         the_task, the_head, answers = task_and_head(labels, instructions, task, head, examples, shots, text_column,
                                                     label_column, truncate_tokens)
@@ -53,9 +51,10 @@ def verify(
                                recheck_margin, min_prob, fallback_label)
         check_fallback(config, answers)
         rows = read_input(input, text_column, id_column, label_column, limit)
-        loaded = load(model, dtype, threads, device)
-        fast, offsets = calibrated(make_classifier(loaded, the_task, config, head=the_head), calibration)
-        ref = make_classifier(loaded, the_task, config, reference=True, head=the_head).with_calibration(offsets)
+        router = load(model, the_task, config, dtype, threads, device, the_head)
+        fast, offsets = calibrated(router.engine, calibration)
+        ref = router.reference.with_calibration(offsets)
+        loaded = router.loaded
     except (ValueError, ModelNotFoundError) as exc:
         ui.fail(str(exc))
     ref_preds, ref_s = ui.run_with_progress(ref, rows, "reference")

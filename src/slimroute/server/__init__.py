@@ -3,8 +3,9 @@
     tasks.py       the task file (one task or several named ones)
     microbatch.py  queue -> engine in one worker thread
     auth.py        API keys (Bearer), checked before a request's body is read
-    metrics.py     Prometheus metrics
-    app.py         FastAPI factory, schemas, limits, errors
+    prometheus.py  Prometheus metrics
+    schemas.py     request and response bodies, the error shape
+    app.py         the Service: its routes, limits and errors
 """
 
 from __future__ import annotations
@@ -14,15 +15,21 @@ from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
 
+import uvicorn
+
+from slimroute.accuracy.calibration import check_head
+from slimroute.accuracy.head import HeadMismatchError
 from slimroute.config import EngineConfig
-from slimroute.head import HeadMismatchError
-from slimroute.server.app import ServerSettings, create_app
+from slimroute.router import Recipe
+from slimroute.runtime.dtypes import DtypeChoice, choose_dtype
+from slimroute.server.app import ServerSettings, Service, create_app
 from slimroute.server.auth import ApiKeys, gather_keys, is_loopback
 from slimroute.server.microbatch import BatchSettings
 from slimroute.server.tasks import TaskSet, load_task_set
+from slimroute.task import Task
 
-__all__ = ["ApiKeys", "BatchSettings", "ServerSettings", "TaskSet", "create_app", "load_task_set", "prepare",
-           "serve"]
+__all__ = ["ApiKeys", "BatchSettings", "ServerSettings", "Service", "TaskSet", "create_app", "load_task_set",
+           "prepare", "serve"]
 log = logging.getLogger(__name__)
 
 
@@ -35,8 +42,6 @@ def prepare(
 ) -> tuple[TaskSet, ServerSettings]:
     """`slimroute serve`'s flags -> (tasks, settings); 0 means no cap for the gather and token limits.
     Keys: `api_keys` and the file's, else $SLIMROUTE_API_KEY (auth.gather_keys). Raises ValueError."""
-    from slimroute.task import Task
-
     if task_file and labels:
         raise ValueError("give either --task or --labels, not both")
     if tasks is not None:  # already built (a tuned head's task)
@@ -60,7 +65,7 @@ def prepare(
 
 
 def serve(
-    task_set: TaskSet, model: str, dtype: str = "auto", threads: int | None = None, device: str = "cpu",
+    task_set: TaskSet, model: str, dtype: str | DtypeChoice = "auto", threads: int | None = None, device: str = "cpu",
     config: EngineConfig | None = None, settings: ServerSettings | None = None,
     host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", access_log: bool = False, head=None,
     calibration=None,
@@ -68,28 +73,21 @@ def serve(
     """Load the model in the background (GET /ready turns 200 when done), serve until SIGTERM/SIGINT,
     finish what was accepted, and return the exit code (1 if the model failed to load, 2 if it is not the
     model, tokenizer or prompt the head was tuned with). head: a tuned Head deciding every task.
-    calibration: a calibration.CalibrationSettings; each task's offsets are estimated or fitted once, while
-    loading (not with a head: ValueError). A dtype this CPU cannot run raises cpu.UnsupportedDtypeError before
+    calibration: an accuracy.calibration.CalibrationSettings; each task's offsets are estimated or fitted once,
+    while loading (not with a head: ValueError). A dtype this CPU cannot run raises UnsupportedDtypeError before
     anything starts."""
-    import uvicorn
-
-    from slimroute.calibration import check_head
-    from slimroute.cpu import choose_dtype
-
     check_head(head, calibration)
-    choice = choose_dtype(dtype, device=device)
+    choice = dtype if isinstance(dtype, DtypeChoice) else choose_dtype(dtype, device=device)
 
     def build_engines() -> dict:
-        from slimroute.engine import Engine
-        from slimroute.models import load_model
-
-        loaded = load_model(model, choice.name, threads, device)
-        engines = {name: Engine.from_loaded(loaded, task, config, head) for name, task in task_set.tasks.items()}
+        tasks = list(task_set.tasks.items())
+        first = Recipe(tasks[0][1], choice, model, config or EngineConfig(), head, None, threads, device).build()
+        routers = {name: first if k == 0 else first.with_task(task, head) for k, (name, task) in enumerate(tasks)}
         if calibration is not None and calibration.on:
-            engines = {name: e.with_calibration(calibration.offsets(e, e.labels)) for name, e in engines.items()}
-        log.warning("model %s loaded (%s, %d threads); serving tasks %s", model, choice, loaded.threads,
-                    ", ".join(engines))
-        return engines
+            routers = {name: router.calibrated(calibration) for name, router in routers.items()}
+        log.warning("model %s loaded (%s, %d threads); serving tasks %s", model, choice, first.loaded.threads,
+                    ", ".join(routers))
+        return {name: router.engine for name, router in routers.items()}
 
     def load_failed(message: str) -> None:
         log.error("could not load the model: %s", message)
@@ -100,9 +98,9 @@ def serve(
     if settings.api_keys is None and not is_loopback(host):
         log.warning("listening on %s without an API key: anyone who reaches it can use the service "
                     "(set --api-key, --api-key-file or SLIMROUTE_API_KEY)", host)
-    app = create_app(build_engines, settings, on_load_error=load_failed)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+    service = Service(build_engines, settings, on_load_error=load_failed)
+    server = uvicorn.Server(uvicorn.Config(service.app, host=host, port=port, log_level=log_level, lifespan="on",
                                            access_log=access_log))
     server.run()
-    error = app.state.service.load_error
+    error = service.load_error
     return (2 if error.startswith(HeadMismatchError.__name__) else 1) if error else 0

@@ -1,11 +1,10 @@
-"""The HTTP service: `create_app(engines, settings)` -> a FastAPI app.
+"""The HTTP service: a `Service` holds the engines and the micro-batcher, and its FastAPI app's routes call its methods.
 
-`engines` maps task name -> Engine (or is a zero-argument callable that builds that mapping, run
-in a thread at startup so /health answers while the model loads). Routes: POST /v1/classify,
-POST /v1/tasks/{name}/classify, GET /v1/info, /health, /ready, /metrics. Every error answers
-`{"error": {"type", "message", "field"}}`; compute never runs on the event loop. With API keys
-(`settings.api_keys`), every path but /health, /ready (and /metrics unless `metrics_need_key`) needs
-`Authorization: Bearer KEY` (auth.py).
+`engines` maps task name -> Engine (or is a zero-argument callable that builds that mapping, run in a thread at
+startup so /health answers while the model loads). Routes: POST /v1/classify, POST /v1/tasks/{name}/classify,
+GET /v1/info, /health, /ready, /metrics. Every error answers `{"error": {"type", "message", "field"}}` (schemas.py);
+compute never runs on the event loop. With API keys (`settings.api_keys`), every path but /health, /ready (and
+/metrics unless `metrics_need_key`) needs `Authorization: Bearer KEY` (auth.py).
 """
 
 from __future__ import annotations
@@ -16,18 +15,25 @@ import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Annotated
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from starlette.exceptions import HTTPException
 
 from slimroute.server.auth import REASONS, ApiKeys, RequireApiKey
-from slimroute.server.metrics import Metrics
 from slimroute.server.microbatch import BatchSettings, EngineFailed, MicroBatcher, QueueFull, ShuttingDown, TextTooLong
+from slimroute.server.prometheus import Prometheus
+from slimroute.server.schemas import (
+    ApiError,
+    ClassifyRequest,
+    ClassifyResponse,
+    ItemResult,
+    Timing,
+    describe,
+    error_response,
+)
 
 CLASSIFY_PATH = re.compile(r"^/v1/(?:tasks/([^/]+)/)?classify$")
 
@@ -57,108 +63,6 @@ class ServerSettings:
             raise ValueError("metrics_need_key is set but no API key is given")
 
 
-# ------------------------------------------------------------------------------------- schemas
-
-
-def _not_blank(text: str) -> str:
-    if not text.strip():
-        raise ValueError("text is empty or only whitespace")
-    return text
-
-
-Text = Annotated[str, AfterValidator(_not_blank)]
-ItemId = str | int
-
-
-class ClassifyRequest(BaseModel):
-    """Either `texts` (with optional `ids`, one per text) or a single `text` (with optional `id`)."""
-
-    model_config = ConfigDict(extra="forbid")
-    texts: list[Text] | None = Field(None, min_length=1, examples=[["I was charged twice", "App crashes"]])
-    ids: list[ItemId] | None = None
-    text: Text | None = Field(None, examples=["I was charged twice this month"])
-    id: ItemId | None = None
-
-    @field_validator("ids")
-    @classmethod
-    def _ids_match_texts(cls, ids, info: ValidationInfo):
-        texts = info.data.get("texts")
-        if ids is not None and texts is not None and len(ids) != len(texts):
-            raise ValueError(f"got {len(ids)} ids for {len(texts)} texts; give one id per text")
-        return ids
-
-    @model_validator(mode="after")
-    def _one_input(self):
-        if (self.texts is None) == (self.text is None):
-            raise ValueError("give exactly one of 'text' (one string) or 'texts' (a list of strings)")
-        if self.texts is not None and self.id is not None:
-            raise ValueError("'id' goes with 'text'; with 'texts' use 'ids'")
-        if self.text is not None and self.ids is not None:
-            raise ValueError("'ids' goes with 'texts'; with 'text' use 'id'")
-        return self
-
-    def items(self) -> tuple[list[str], list[ItemId | None]]:
-        if self.text is not None:
-            return [self.text], [self.id]
-        return list(self.texts), list(self.ids) if self.ids is not None else [None] * len(self.texts)
-
-
-class ItemResult(BaseModel):
-    id: ItemId | None
-    label: str  # the answer: the fallback label when the server's floor (--min-prob) routed the text there
-    model_label: str  # the decision's own choice (equal to label unless routed)
-    probs: dict[str, float]  # renormalised over the labels
-    logprobs: dict[str, float]  # exact log-probability of each label's tokens
-    calibrated_logprobs: dict[str, float] | None = None  # with calibration: logprobs minus offsets (probs use them)
-    num_tokens: int
-    truncated: bool
-
-
-class Timing(BaseModel):
-    queue_ms: float  # waiting for the worker and the batch to fill
-    engine_ms: float  # the engine call that answered this request
-    total_ms: float  # request received -> response built
-    batch_items: int  # texts in that engine call, this request's included
-    batch_requests: int
-
-
-class ClassifyResponse(BaseModel):
-    task: str
-    results: list[ItemResult]
-    timing: Timing
-
-
-# ------------------------------------------------------------------------------------- errors
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, kind: str, message: str, field: str | None = None, headers=None):
-        super().__init__(message)
-        self.status, self.kind, self.message, self.field, self.headers = status, kind, message, field, headers
-
-
-def error_response(status: int, kind: str, message: str, field: str | None = None, headers=None, **extra):
-    body = {"error": {"type": kind, "message": message, "field": field, **extra}}
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-def field_name(loc) -> str:
-    """('body', 'texts', 2) -> 'texts[2]'; ('body',) -> 'body'."""
-    parts = [p for p in loc if p != "body"] if len(loc) > 1 else list(loc)
-    name = ""
-    for part in parts:
-        name += f"[{part}]" if isinstance(part, int) else (f".{part}" if name else str(part))
-    return name or "body"
-
-
-def describe(error: dict) -> tuple[str, str]:
-    if error.get("type") == "json_invalid":
-        pos = error["loc"][1] if len(error["loc"]) > 1 else "?"
-        return "body", f"malformed JSON at character {pos}: {error.get('ctx', {}).get('error', 'invalid')}"
-    message = error.get("msg", "invalid").removeprefix("Value error, ")
-    return field_name(error.get("loc", ("body",))), message
-
-
 class BodyLimit:
     """Answer 413 to a body over `max_bytes`, from Content-Length or while a chunked body streams in."""
 
@@ -185,18 +89,23 @@ class BodyLimit:
         await self.app(scope, limited_receive, send)
 
 
-# ------------------------------------------------------------------------------------- the app
-
-
 class Service:
-    """The app's engines and micro-batcher; `ready` once the engines exist and the worker runs."""
+    """The engines, the micro-batcher and the app (`app`); `ready` once the engines exist and the worker runs.
 
-    def __init__(self, settings: ServerSettings, metrics: Metrics):
-        self.settings, self.metrics = settings, metrics
+    `on_load_error(message)` is called (from the event loop) when a loader callable fails."""
+
+    def __init__(self, engines: dict | Callable[[], dict], settings: ServerSettings | None = None,
+                 on_load_error: Callable[[str], None] | None = None):
+        self.settings = settings or ServerSettings()
+        self.metrics = Prometheus()
         self.engines: dict = {}
         self.default_task: str | None = None
         self.batcher: MicroBatcher | None = None
         self.load_error: str | None = None
+        self._source, self._on_load_error = engines, on_load_error
+        self.app = self._app()
+
+    # ---------------------------------------------------------------- life cycle
 
     @property
     def ready(self) -> bool:
@@ -219,7 +128,62 @@ class Service:
         if self.batcher is not None:
             self.batcher.close()
 
-    def info(self) -> dict:
+    @asynccontextmanager
+    async def lifespan(self, app: FastAPI):
+        loading = None
+        if callable(self._source):
+            loading = asyncio.create_task(asyncio.to_thread(self.start, self._source))
+            loading.add_done_callback(self._loaded)
+        else:
+            self.start(self._source)
+        try:
+            yield
+        finally:
+            if loading is not None and not loading.done():
+                await asyncio.wait({loading})
+            await asyncio.to_thread(self.stop)
+
+    def _loaded(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None and self._on_load_error is not None:
+            self._on_load_error(self.load_error or repr(task.exception()))
+
+    # ---------------------------------------------------------------- the app
+
+    def _app(self) -> FastAPI:
+        app = FastAPI(title="slimroute", summary="A small LM as an exact classifier, over HTTP.",
+                      lifespan=self.lifespan)
+        app.state.service, app.state.metrics = self, self.metrics
+        app.add_middleware(BodyLimit, max_bytes=self.settings.max_body_bytes)
+        if self.settings.api_keys is not None:  # added last, so it runs first: before the body is read
+            open_paths = {"/health", "/ready"} | (set() if self.settings.metrics_need_key else {"/metrics"})
+            app.add_middleware(RequireApiKey, keys=self.settings.api_keys, open_paths=open_paths,
+                               refuse=self.unauthorized)
+        app.add_exception_handler(ApiError, self.on_api_error)
+        app.add_exception_handler(RequestValidationError, self.on_validation_error)
+        app.add_exception_handler(HTTPException, self.on_http_error)
+        app.get("/health", summary="Liveness: the process answers")(self.health)
+        app.get("/ready", summary="Readiness: the model is loaded and the worker runs")(self.readiness)
+        app.get("/metrics", summary="Prometheus metrics")(self.prometheus)
+        app.get("/v1/info", summary="Served tasks, their labels, and the request limits")(self.info)
+        app.post("/v1/classify", response_model=ClassifyResponse,
+                 summary="Classify with the default task")(self.classify_default)
+        app.post("/v1/tasks/{name}/classify", response_model=ClassifyResponse,
+                 summary="Classify with a task")(self.classify_named)
+        return app
+
+    async def health(self):
+        return {"status": "ok", "dtype": self.settings.dtype, "dtype_reason": self.settings.dtype_reason}
+
+    async def readiness(self):
+        if self.ready:
+            return {"status": "ready", "tasks": list(self.engines)}
+        status = "failed" if self.load_error else ("stopping" if self.batcher else "loading")
+        return JSONResponse({"status": status, "error": self.load_error}, status_code=503)
+
+    async def prometheus(self):
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def info(self) -> dict:
         tasks = [{"name": name, "labels": list(getattr(e, "labels", e.task.labels)),  # a head's labels, if any
                   "instructions": e.task.instructions, "descriptions": dict(e.task.descriptions),
                   "num_examples": len(e.task.examples), "truncate_tokens": e.task.truncate_tokens,
@@ -235,141 +199,37 @@ class Service:
         return {"model": s.model_name, "dtype": s.dtype, "dtype_reason": s.dtype_reason, "ready": self.ready,
                 "default_task": self.default_task, "tasks": tasks, "limits": limits}
 
+    async def classify_default(self, body: ClassifyRequest, request: Request):
+        return await self.classify(self.default_task, body, request)
 
-def _fallback_info(fallback) -> dict | None:
-    return {"min_prob": fallback.min_prob, "label": fallback.label} if fallback is not None else None
+    async def classify_named(self, name: str, body: ClassifyRequest, request: Request):
+        return await self.classify(name, body, request)
 
-
-def create_app(
-    engines: dict | Callable[[], dict], settings: ServerSettings | None = None,
-    on_load_error: Callable[[str], None] | None = None,
-) -> FastAPI:
-    """`on_load_error(message)` is called (from the event loop) when a loader callable fails."""
-    settings = settings or ServerSettings()
-    metrics = Metrics()
-    service = Service(settings, metrics)
-
-    def loaded(task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is not None and on_load_error is not None:
-            on_load_error(service.load_error or repr(task.exception()))
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        loading = None
-        if callable(engines):
-            loading = asyncio.create_task(asyncio.to_thread(service.start, engines))
-            loading.add_done_callback(loaded)
-        else:
-            service.start(engines)
-        try:
-            yield
-        finally:
-            if loading is not None and not loading.done():
-                await asyncio.wait({loading})
-            await asyncio.to_thread(service.stop)
-
-    app = FastAPI(title="slimroute", summary="A small LM as an exact classifier, over HTTP.",
-                  lifespan=lifespan)
-    app.state.service, app.state.metrics = service, metrics
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-
-    def task_label(request: Request) -> str:
-        name = request.path_params.get("name", service.default_task)
-        return name if name in service.engines else "unknown"
-
-    def unauthorized(scope: dict, reason: str) -> Response:
-        metrics.unauthorized.labels(reason=reason).inc()
-        if (match := CLASSIFY_PATH.match(scope["path"])) is not None:  # counted with the classify requests too
-            name = match.group(1) or service.default_task
-            metrics.requests.labels(task=name if name in service.engines else "unknown", status="401").inc()
-        return error_response(401, "unauthorized", REASONS[reason], headers={"WWW-Authenticate": "Bearer"})
-
-    if settings.api_keys is not None:  # added last, so it runs first: before the body is read
-        open_paths = {"/health", "/ready"} | (set() if settings.metrics_need_key else {"/metrics"})
-        app.add_middleware(RequireApiKey, keys=settings.api_keys, open_paths=open_paths, refuse=unauthorized)
-
-    @app.exception_handler(ApiError)
-    async def on_api_error(request: Request, exc: ApiError):
-        return error_response(exc.status, exc.kind, exc.message, exc.field, exc.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def on_validation_error(request: Request, exc: RequestValidationError):
-        details = [dict(zip(("field", "message"), describe(e), strict=True)) for e in exc.errors()]
-        metrics.requests.labels(task=task_label(request), status="422").inc()
-        first = details[0]
-        return error_response(422, "invalid_request", f"{first['field']}: {first['message']}", first["field"],
-                              details=details)
-
-    @app.exception_handler(HTTPException)
-    async def on_http_error(request: Request, exc: HTTPException):
-        too_large = exc.status_code == 413
-        kind = "body_too_large" if too_large else "http_error"
-        return error_response(exc.status_code, kind, str(exc.detail), "body" if too_large else None,
-                              getattr(exc, "headers", None))
-
-    @app.get("/health", summary="Liveness: the process answers")
-    async def health():
-        return {"status": "ok", "dtype": service.settings.dtype, "dtype_reason": service.settings.dtype_reason}
-
-    @app.get("/ready", summary="Readiness: the model is loaded and the worker runs")
-    async def ready():
-        if service.ready:
-            return {"status": "ready", "tasks": list(service.engines)}
-        status = "failed" if service.load_error else ("stopping" if service.batcher else "loading")
-        return JSONResponse({"status": status, "error": service.load_error}, status_code=503)
-
-    @app.get("/metrics", summary="Prometheus metrics")
-    async def metrics_route():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/info", summary="Served tasks, their labels, and the request limits")
-    async def info():
-        return service.info()
-
-    @app.post("/v1/classify", response_model=ClassifyResponse, summary="Classify with the default task")
-    async def classify_default(body: ClassifyRequest, request: Request):
-        return await classify(service.default_task, body, request)
-
-    @app.post("/v1/tasks/{name}/classify", response_model=ClassifyResponse, summary="Classify with a task")
-    async def classify_named(name: str, body: ClassifyRequest, request: Request):
-        return await classify(name, body, request)
-
-    async def classify(name: str | None, body: ClassifyRequest, request: Request):
+    async def classify(self, name: str | None, body: ClassifyRequest, request: Request):
+        """answer() counted in the request metrics, with its status, and timed."""
         start = time.perf_counter()
         status = "500"
         try:
-            response = await answer(name, body, request, start)
+            response = await self.answer(name, body, request, start)
             status = str(getattr(response, "status_code", 200))
             return response
         except ApiError as exc:
             status = str(exc.status)
             raise
         finally:
-            metrics.requests.labels(task=task_label(request), status=status).inc()
-            metrics.latency.labels(task=task_label(request)).observe(time.perf_counter() - start)
+            self.metrics.requests.labels(task=self.task_label(request), status=status).inc()
+            self.metrics.latency.labels(task=self.task_label(request)).observe(time.perf_counter() - start)
 
-    async def answer(name: str | None, body: ClassifyRequest, request: Request, start: float):
-        if not service.ready:
-            raise ApiError(503, "not_ready", "the model is not loaded yet" if not service.batcher
-                           else "the server is shutting down", headers={"Retry-After": "1"})
-        if name not in service.engines:
-            raise ApiError(404, "unknown_task",
-                           f"task {name!r} does not exist; served: {sorted(service.engines)}")
+    async def answer(self, name: str | None, body: ClassifyRequest, request: Request, start: float):
+        """The task's answers to the request's texts: checked, queued, awaited (or dropped if the client goes)."""
         texts, ids = body.items()
-        if len(texts) > settings.max_texts:
-            raise ApiError(413, "too_many_texts", f"the request has {len(texts)} texts; the limit is "
-                           f"{settings.max_texts} per request", "texts")
-        for i, text in enumerate(texts):
-            if len(text) > settings.max_text_chars:
-                raise ApiError(413, "text_too_long", f"texts[{i}] has {len(text)} characters; the limit is "
-                               f"{settings.max_text_chars} characters per text", f"texts[{i}]")
-        batcher = service.batcher
+        self.check(name, texts)
+        batcher = self.batcher
         try:
             pending = batcher.submit(name, texts)
         except QueueFull as exc:
-            metrics.errors.labels(task=name, kind="queue_full").inc()
-            retry = {"Retry-After": str(exc.retry_after_s)}
-            raise ApiError(503, "overloaded", str(exc), headers=retry) from exc
+            self.metrics.errors.labels(task=name, kind="queue_full").inc()
+            raise ApiError(503, "overloaded", str(exc), headers={"Retry-After": str(exc.retry_after_s)}) from exc
         except ShuttingDown as exc:
             raise ApiError(503, "shutting_down", str(exc), headers={"Retry-After": "1"}) from exc
         try:
@@ -382,7 +242,7 @@ def create_app(
             if not pending.future.done():  # the caller went away (disconnected or cancelled)
                 pending.future.cancel()
                 if batcher.drop(pending):
-                    metrics.dropped.labels(task=name).inc()
+                    self.metrics.dropped.labels(task=name).inc()
         if result is None:
             return Response(status_code=499)  # nobody reads this; it ends the request cleanly
         results = [ItemResult(id=i, label=p.label, model_label=p.model_label, probs=p.probs, logprobs=p.logprobs,
@@ -394,7 +254,60 @@ def create_app(
                         batch_requests=result.batch_requests)
         return ClassifyResponse(task=name, results=results, timing=timing)
 
-    return app
+    def check(self, name: str | None, texts: list[str]) -> None:
+        """Refuse, as an ApiError, what the service cannot take: before it is ready, an unknown task, the limits."""
+        settings = self.settings
+        if not self.ready:
+            raise ApiError(503, "not_ready", "the model is not loaded yet" if not self.batcher
+                           else "the server is shutting down", headers={"Retry-After": "1"})
+        if name not in self.engines:
+            raise ApiError(404, "unknown_task", f"task {name!r} does not exist; served: {sorted(self.engines)}")
+        if len(texts) > settings.max_texts:
+            raise ApiError(413, "too_many_texts", f"the request has {len(texts)} texts; the limit is "
+                           f"{settings.max_texts} per request", "texts")
+        for i, text in enumerate(texts):
+            if len(text) > settings.max_text_chars:
+                raise ApiError(413, "text_too_long", f"texts[{i}] has {len(text)} characters; the limit is "
+                               f"{settings.max_text_chars} characters per text", f"texts[{i}]")
+
+    # ---------------------------------------------------------------- errors
+
+    def task_label(self, request: Request) -> str:
+        name = request.path_params.get("name", self.default_task)
+        return name if name in self.engines else "unknown"
+
+    def unauthorized(self, scope: dict, reason: str) -> Response:
+        self.metrics.unauthorized.labels(reason=reason).inc()
+        if (match := CLASSIFY_PATH.match(scope["path"])) is not None:  # counted with the classify requests too
+            name = match.group(1) or self.default_task
+            self.metrics.requests.labels(task=name if name in self.engines else "unknown", status="401").inc()
+        return error_response(401, "unauthorized", REASONS[reason], headers={"WWW-Authenticate": "Bearer"})
+
+    async def on_api_error(self, request: Request, exc: ApiError):
+        return error_response(exc.status, exc.kind, exc.message, exc.field, exc.headers)
+
+    async def on_validation_error(self, request: Request, exc: RequestValidationError):
+        details = [dict(zip(("field", "message"), describe(e), strict=True)) for e in exc.errors()]
+        self.metrics.requests.labels(task=self.task_label(request), status="422").inc()
+        first = details[0]
+        return error_response(422, "invalid_request", f"{first['field']}: {first['message']}", first["field"],
+                              details=details)
+
+    async def on_http_error(self, request: Request, exc: HTTPException):
+        too_large = exc.status_code == 413
+        kind = "body_too_large" if too_large else "http_error"
+        return error_response(exc.status_code, kind, str(exc.detail), "body" if too_large else None,
+                              getattr(exc, "headers", None))
+
+
+def _fallback_info(fallback) -> dict | None:
+    return {"min_prob": fallback.min_prob, "label": fallback.label} if fallback is not None else None
+
+
+def create_app(engines: dict | Callable[[], dict], settings: ServerSettings | None = None,
+               on_load_error: Callable[[str], None] | None = None) -> FastAPI:
+    """The app of a new Service (`app.state.service`)."""
+    return Service(engines, settings, on_load_error).app
 
 
 async def wait_unless_disconnected(future: asyncio.Future, request: Request):

@@ -13,15 +13,17 @@ engine calls, so one caller's texts cannot be mixed into another's answers.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import math
-import sys
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
+from slimroute.engine.fast import decoder_layers
 from slimroute.labels import Prediction
+from slimroute.runtime.memory import share_the_main_malloc_arena
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,7 @@ class MicroBatcher:
     def __init__(self, engines: dict, settings: BatchSettings | None = None, metrics=None):
         self.engines = engines
         self.settings = settings or BatchSettings()
-        self.metrics = metrics  # an app.Metrics, or None
+        self.metrics = metrics  # a prometheus.Prometheus, or None
         self._queues: dict[str, deque[Pending]] = {name: deque() for name in engines}
         self._num_queued = 0
         self._cond = threading.Condition()
@@ -309,11 +311,7 @@ class MicroBatcher:
 
 
 def transformer_layers(engines: dict) -> list:
-    """The blocks of each distinct model the engines run (engine.decoder_layers)."""
-    import torch
-
-    from slimroute.engine import decoder_layers
-
+    """The blocks of each distinct model the engines run (engine.fast.decoder_layers)."""
     layers, seen = [], set()
     for engine in engines.values():
         model = getattr(engine, "model", None)
@@ -322,21 +320,6 @@ def transformer_layers(engines: dict) -> list:
         seen.add(id(model))
         layers += decoder_layers(model)
     return layers
-
-
-def share_the_main_malloc_arena() -> None:
-    """Let threads started from now on allocate from glibc's main arena (mallopt M_ARENA_MAX = 1).
-
-    In a thread of its own arena, the engine's large activation buffers are mapped fresh and faulted in
-    on every batch: measured 136k page faults and 10-15% lower throughput per 160 tickets than the same
-    engine on the main thread (6k faults with one arena, and no gap). Process-wide, so only the server,
-    whose engine runs in a worker thread, calls it; a no-op off glibc."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL(None).mallopt(ctypes.c_int(-8), ctypes.c_int(1))  # -8: M_ARENA_MAX
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
-        pass
 
 
 def _settle(pending: Pending, result: BatchResult | None = None, error: Exception | None = None) -> None:

@@ -28,6 +28,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from slimroute.accuracy.calibration import check_head
+from slimroute.accuracy.examples import with_examples_from
 from slimroute.task import Task, load_task_file
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -87,9 +89,6 @@ def with_accuracy_options(task_set: TaskSet, examples=None, shots: int | None = 
     data (offsets are estimated at startup, never from requests, so an answer does not depend on which
     requests came first), and the calibration data is read and checked here, before the model loads
     (calibration with a tuned `head`: refused, see calibration.check_head)."""
-    from slimroute.calibration import check_head
-    from slimroute.examples import with_examples_from
-
     check_head(head, calibration)
     has_data = calibration is not None and calibration.data is not None
     if (examples is not None or has_data) and len(task_set.tasks) > 1:

@@ -1,0 +1,382 @@
+"""Engine.classify(texts): the one hot loop. No logging, HTTP or Ray in here.
+
+Per batch: right-padded item ids run after an expanded copy of the prefix cache (positions continue after the prefix),
+the hidden state at each item's last real token (the last layer's MLP runs on those rows alone: rows_only) is scored
+against the label tokens' head rows, and the multi-token labels' continuations in extra batched passes behind the
+batch's cache, which they leave unchanged (labels share a pass, each on its own copy of the batch's rows). With a tuned
+head that same hidden state goes through the head instead; `features` hands the head's inputs out for tuning. The
+decision (offsets, rule, floor) is the TaskSetup's, exactly as in the reference.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from slimroute.accuracy.head import head_features, item_states, label_totals
+from slimroute.config import EngineConfig
+from slimroute.engine.batching import PaddingStats, pad_right, plan_batches
+from slimroute.engine.prefix_cache import PrefixCache, continue_cache, new_cache, smallest_window
+from slimroute.engine.reference import ReferenceClassifier
+from slimroute.engine.scoring import LabelScorer, check_scorer
+from slimroute.engine.setup import Classifier, TaskSetup
+from slimroute.labels import Prediction, continuation_runs
+from slimroute.runtime.attention import segments
+from slimroute.runtime.memory import return_freed_memory
+from slimroute.runtime.threads import warm_up_vector_math
+from slimroute.task import Task
+
+SCORER_ROWS = 64  # rows per label-scorer call, gathered over small batches: its vocabulary-wide GEMM reads the whole
+# output head once per call, and never more rows than this go in at once (each row's logits are 0.6 MB)
+CONTINUATION_ROW_KEYS = 8192  # multi-token labels share a continuation pass while its rows x keys stay within this
+# (larger passes' copies of keys and values outgrow the CPU's caches: docs/design.md)
+
+
+@dataclass
+class EngineStats:
+    num_items: int = 0
+    num_batches: int = 0
+    num_truncated: int = 0
+    num_rechecked: int = 0  # near-ties re-decided by the exact one-at-a-time path
+    seconds: float = 0.0
+    padding: PaddingStats = field(default_factory=PaddingStats)
+
+    def merge(self, other: EngineStats) -> None:
+        self.num_items += other.num_items
+        self.num_batches += other.num_batches
+        self.num_truncated += other.num_truncated
+        self.num_rechecked += other.num_rechecked
+        self.seconds += other.seconds
+        self.padding.merge(other.padding)
+
+
+class Engine(Classifier):
+    def __init__(self, model, tokenizer, task: Task, config: EngineConfig | None = None, max_positions=None,
+                 recheck=None, head=None, calibration=None):
+        """recheck: a callable text -> Prediction used for near-ties when config.recheck_margin is set (default: the
+        reference's classify_one). head: a tuned Head that decides instead of the label tokens; it must have been
+        tuned on this model, tokenizer and task (else HeadMismatchError). calibration: accuracy.calibration.Offsets
+        subtracted from the label log-probs before the decision (not with a head: ValueError)."""
+        config = config or EngineConfig()
+        max_positions = max_positions or int(getattr(model.config, "max_position_embeddings", 32768))
+        super().__init__(model, tokenizer, TaskSetup.build(model, tokenizer, task, config.decision, max_positions,
+                                                           head, calibration, config.fallback))
+        self.config, self.max_positions = config, max_positions
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.device = next(model.parameters()).device
+        # the multi-token labels' contexts (each fed once, however many labels share it) and the runs that feed them
+        self._runs, where = continuation_runs(self.label_ids)  # where: each context's (run, position) in the runs
+        self._context_states = list(where.values())
+        self._context_index = {context: i for i, context in enumerate(where)}
+        self.scorer = LabelScorer(model.get_output_embeddings(), [t for ids in self.label_ids for t in ids],
+                                  model.config)
+        warm_up_vector_math()  # a model built without load_model: its first pass must round like every later one
+        check_scorer(model, self.scorer, self.prompt.prefix_ids[-8:] or [self.pad_id])
+        self.prefix = PrefixCache(model, self.prompt.prefix_ids) if config.prefix_cache else None
+        self._window = smallest_window(model.config)  # None: no sliding-window layer
+        layers = decoder_layers(model)
+        self._last_mlp = getattr(layers[-1], "mlp", None) if layers else None
+        self.stats = EngineStats()  # totals over the engine's life
+        self.last_stats = EngineStats()  # the last classify call's
+        self._given_recheck = recheck
+        self.recheck = self._recheck()
+
+    @classmethod
+    def from_loaded(cls, loaded, task: Task, config: EngineConfig | None = None, head=None,
+                    calibration=None) -> Engine:
+        return cls(loaded.model, loaded.tokenizer, task, config, loaded.max_positions, head=head,
+                   calibration=calibration)
+
+    def _recheck(self) -> Callable[[str], Prediction] | None:
+        if self.config.recheck_margin is None or self._given_recheck is not None:
+            return self._given_recheck
+        return ReferenceClassifier.from_setup(self.model, self.tokenizer, self.setup).classify_one
+
+    def with_calibration(self, offsets) -> Engine:
+        """This engine (model, prefix cache, running stats shared) deciding with `offsets`."""
+        engine = super().with_calibration(offsets)
+        engine.recheck = engine._recheck()  # the reference recheck decides with the same offsets
+        return engine
+
+    def encode(self, texts: list[str]) -> tuple[list[list[int]], list[bool]]:
+        fitted = [self.prompt.fit_text(t) for t in texts]
+        item_ids = self.prompt.item_ids_batch([text for text, _ in fitted])
+        if not self.config.prefix_cache:
+            item_ids = [self.prompt.prefix_ids + ids for ids in item_ids]
+        return item_ids, [truncated for _, truncated in fitted]
+
+    @torch.inference_mode()
+    def classify(self, texts: list[str], progress=None, on_results=None) -> list[Prediction]:
+        """Predictions in input order. Texts must be non-empty strings (see backends.local.classify_rows).
+
+        progress(num_items) and on_results([(index, prediction), ...]) are called after each batch, so a caller (the
+        server) can hand out answers before the last batch is done."""
+        start = time.perf_counter()
+        run = EngineStats(num_items=len(texts))
+        item_ids, truncated = self.encode(texts)
+        lengths = [len(ids) for ids in item_ids]
+        results: list[Prediction | None] = [None] * len(texts)
+        waiting = _ScorerQueue(self._score_states)
+
+        def hand_out() -> None:  # the waiting batches' decisions, one scorer call for all of them
+            for batch, token_logprobs in waiting.drain():
+                for i, lps in zip(batch, token_logprobs, strict=True):
+                    results[i] = self._decide(texts[i], lps, self._prompt_len(lengths[i]), truncated[i], run)
+                if progress:
+                    progress(len(batch))
+                if on_results:
+                    on_results([(i, results[i]) for i in batch])
+
+        for batch in self._batches(lengths):
+            try:
+                rows, done = self._run_batch([item_ids[i] for i in batch])
+            except BaseException:
+                hand_out()  # the batches before this one still hand out their answers (on_results) first
+                raise
+            run.padding.add([lengths[i] for i in batch])
+            run.num_batches += 1
+            if waiting.add(batch, rows, done):
+                hand_out()
+        hand_out()
+        # the batches' activations leave the RSS once the call is done (not after each batch: the next batch would
+        # fault every page back in)
+        return_freed_memory()
+        run.num_truncated = sum(truncated)
+        run.seconds = time.perf_counter() - start
+        self.last_stats = run
+        self.stats.merge(run)
+        return results
+
+    def _batches(self, lengths: list[int]):
+        """plan_batches, except that with a sliding-window layer (Gemma 2 and 3) the rows of a batch whose columns
+        would reach past the smallest window go one at a time. The window counts cache columns, not a row's own
+        positions: behind right padding a label's continuation query sits at the batch's last column, where it would
+        lose keys of a shorter row that the row alone still sees. Within the window every key is seen either way."""
+        cfg = self.config
+        batches = plan_batches(lengths, cfg.batch_size, cfg.max_batch_tokens, cfg.sort, cfg.max_padding,
+                               cfg.batch_overhead_tokens)
+        if self._window is None:
+            yield from batches
+            return
+        room = self._window - (self.prefix.length if self.prefix else 0) - max(map(len, self.label_ids), default=1)
+        for batch in batches:
+            fits = [i for i in batch if lengths[i] <= room] if len(batch) > 1 else batch
+            if fits:
+                yield fits
+            yield from ([i] for i in batch if i not in fits)
+
+    def _decide(self, text: str, lps, num_tokens: int, truncated: bool, run: EngineStats | None = None) -> Prediction:
+        """The setup's decision, or, for a near-tie (config.recheck_margin), the exact path's answer."""
+        if self.config.recheck_margin is not None and self.setup.margin(lps) < self.config.recheck_margin:
+            (run or self.stats).num_rechecked += 1
+            return self.recheck(text)
+        return self.setup.decide(lps, num_tokens, truncated)
+
+    @torch.inference_mode()
+    def features(self, texts: list[str], with_label_logprobs: bool = False, progress=None,
+                 states: str = "last", layers: tuple[int, ...] = ()) -> torch.Tensor:
+        """(N, F) float64 inputs of a head, in input order: each item's hidden states (head.item_states: the last
+        one (H), the mean over its tokens (H), or both (2H)), the mean of each of `layers` (decoder layer outputs,
+        H each), then, if asked, each task label's log-prob (L). The same batches and forward passes as classify."""
+        item_ids, _ = self.encode(texts)
+        lengths = [len(ids) for ids in item_ids]
+        rows: list[torch.Tensor | None] = [None] * len(texts)
+        for batch in self._batches(lengths):
+            last, views, state = self._forward([item_ids[i] for i in batch], states, layers)  # (B, H), (B, F')
+            label_lps = label_totals(self._token_logprobs(last, *state)) if with_label_logprobs else None
+            for i, row in zip(batch, head_features(views, label_lps), strict=True):  # (B, F)
+                rows[i] = row
+            if progress:
+                progress(len(batch))
+        return torch.stack(rows) if rows else torch.empty(0, 0, dtype=torch.float64)
+
+    def _prompt_len(self, item_len: int) -> int:
+        return item_len + (self.prefix.length if self.prefix else 0)
+
+    def _run_batch(self, seqs: list[list[int]]):
+        """One batch's forward pass(es): (rows, done). rows (N, H): the hidden states the label scorer must score
+        (None when nothing is, as with a head that does not use label log-probs); done(log-probs of those rows)
+        gives token_logprobs[row][label][k] (with a head, its log-probs: one step per head label). The scorer call
+        is the caller's, so one call can serve several small batches (classify)."""
+        head = self.head
+        last, states, state = self._forward(seqs, head.states if head else "last", head.layers if head else ())
+        if head is not None and not head.uses_label_logprobs:
+            return None, lambda _: head.token_logprobs(states, None)
+        rows = self._states_to_score(last, *state)
+        if head is not None:
+            return rows, lambda lps: head.token_logprobs(states, self._by_label(lps, len(seqs)))
+        return rows, lambda lps: self._by_label(lps, len(seqs))
+
+    def _forward(self, seqs: list[list[int]], states: str = "last", layers: tuple[int, ...] = ()):
+        """One pass over a right-padded batch behind the prefix: the final-norm hidden state at each item's
+        last real token (B, H), the head's item states (head.item_states: that, the mean over the item's
+        tokens, or both, then the means of `layers`) and (cache, mask, ends) for the label scorer."""
+        input_ids, item_mask, lengths = pad_right(seqs, self.pad_id)  # (B, L), (B, L), (B,)
+        input_ids, item_mask, lengths = input_ids.to(self.device), item_mask.to(self.device), lengths.to(self.device)
+        batch, width = input_ids.shape
+        offset = self.prefix.length if self.prefix else 0
+        cache = self.prefix.expand(batch) if self.prefix else new_cache(self.model.config)
+        prefix_mask = torch.ones(batch, offset, dtype=item_mask.dtype, device=self.device)
+        mask = torch.cat([prefix_mask, item_mask], dim=1)  # (B, P + L)
+        positions = offset + torch.arange(width, device=self.device).expand(batch, -1)  # (B, L)
+        rows = torch.arange(batch, device=self.device)
+        # Only the last real tokens' final hidden states are read (unless the head averages states or reads
+        # layers): the last layer's MLP runs on those rows alone (rows are independent; the cache, all the
+        # label scorer needs besides, comes from the attention, which still sees every position)
+        last_rows = rows * width + lengths - 1 if states == "last" and not layers else None
+        # without the prefix cache, the prefix and the item are one pass: their queries tiled as the cached
+        # prefix's and the item's would be (attention.segments)
+        passes = segments() if self.prefix else segments(len(self.prompt.prefix_ids))
+        with rows_only(self._last_mlp, last_rows), passes:
+            out = self.model.base_model(
+                input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                cache=cache, use_cache=True, output_hidden_states=bool(layers),
+            )
+        last = out.last_hidden_state[rows, lengths - 1]  # (B, H)
+        views = last
+        if states != "last" or layers:  # the item's own tokens: without the prefix, cached or part of the sequence
+            skip = 0 if self.prefix else len(self.prompt.prefix_ids)
+            ends = [len(seq) - 1 for seq in seqs]
+            views = item_states(out.last_hidden_state, ends, [len(seq) - skip for seq in seqs], states,
+                                tuple(out.hidden_states[k] for k in layers))
+        return last, views, (cache, mask, lengths + offset)
+
+    def _token_logprobs(self, last, cache, mask, ends) -> list[list[list[float]]]:
+        """token_logprobs[row][label][k] from the batch's last hidden states (B, H) and its cache."""
+        return self._by_label(self._score_states(self._states_to_score(last, cache, mask, ends)), last.shape[0])
+
+    def _score_states(self, rows: torch.Tensor) -> torch.Tensor:
+        """The label tokens' log-probs (N, K) after each hidden state in rows (N, H), SCORER_ROWS at a time."""
+        if rows.shape[0] <= SCORER_ROWS:
+            return self.scorer.logprobs(rows)
+        return torch.cat([self.scorer.logprobs(rows[i:i + SCORER_ROWS]) for i in range(0, rows.shape[0], SCORER_ROWS)])
+
+    def _states_to_score(self, last, cache, mask, ends) -> torch.Tensor:
+        """The hidden states whose next-token log-probs score the labels: the items' last ones (B, H), then, for
+        each context of a multi-token label (a proper prefix of its tokens; labels.trie_paths) in turn, those after
+        feeding it behind each item (B, H) each."""
+        states: dict[int, torch.Tensor] = {}
+        shared: list = []  # the batch cache as every continuation pass reads it (prefix_cache.continue_cache)
+        for group in self._continuation_groups(last.shape[0], mask.shape[1]):
+            states.update(zip(group, self._continuation(cache, mask, ends, [self._runs[r] for r in group], shared),
+                              strict=True))
+        if not states:
+            return last
+        return torch.cat([last, *(states[run][:, k] for run, k in self._context_states)])
+
+    def _continuation_groups(self, batch: int, keys: int) -> list[list[int]]:
+        """The continuation runs (indices into _runs, shortest first) in groups that share a pass: as many as
+        keep the pass's rows times keys within CONTINUATION_ROW_KEYS (at least one)."""
+        groups: list[list[int]] = []
+        for r, run in enumerate(self._runs):
+            size = (len(groups[-1]) + 1) * batch * (keys + len(run)) if groups else None
+            if size is None or size > CONTINUATION_ROW_KEYS:
+                groups.append([r])
+            else:
+                groups[-1].append(r)
+        return groups
+
+    def _by_label(self, lps: torch.Tensor, batch: int) -> list[list[list[float]]]:
+        """_states_to_score's log-probs (N, K) -> token_logprobs[row][label][k]."""
+        col, context = self.scorer.column, self._context_index
+        values = lps.tolist()
+        return [[[values[row][col[ids[0]]]]
+                 + [values[batch * (1 + context[ids[:k]]) + row][col[ids[k]]] for k in range(1, len(ids))]
+                 for ids in self.label_ids]
+                for row in range(batch)]
+
+    def _continuation(self, cache, mask, ends, runs: list[tuple[int, ...]], shared: list | None = None
+                      ) -> list[torch.Tensor]:
+        """For each run of tokens, the final hidden states (B, n, H) after each of its tokens, fed behind each item,
+        in one pass: each run gets its own copy of the batch's rows (right-padded to the longest run), so each
+        row sees what the run's own pass would show it (its keys in the same order, its queries in the same
+        tiles: attention.segments). The batch cache is left unchanged."""
+        batch, copies = mask.shape[0], len(runs)
+        steps = max(len(run) for run in runs)
+        tokens = torch.full((copies, batch, steps), self.pad_id, device=self.device)
+        fed = torch.zeros(copies, batch, steps, dtype=mask.dtype, device=self.device)
+        for j, run in enumerate(runs):
+            tokens[j, :, :len(run)] = torch.tensor(run, device=self.device)
+            fed[j, :, :len(run)] = 1
+        positions = (ends[:, None] + torch.arange(steps, device=self.device)).repeat(copies, 1)  # (C * B, steps)
+        mask = torch.cat([mask.repeat(copies, 1), fed.view(copies * batch, steps)], dim=1)
+        with segments(continuation=0):  # every query of this pass continues a label (attention.segments)
+            out = self.model.base_model(
+                input_ids=tokens.view(copies * batch, steps), attention_mask=mask, position_ids=positions,
+                cache=continue_cache(cache, self.model.config, copies, shared), use_cache=True,
+            )
+        hidden = out.last_hidden_state.view(copies, batch, steps, -1)
+        return [hidden[j, :, :len(run)] for j, run in enumerate(runs)]
+
+
+class _ScorerQueue:
+    """Batches waiting for the label scorer: its vocabulary-wide GEMM reads the whole output head once per call, so one
+    call serves the rows of several small batches (up to SCORER_ROWS), then each batch's `done` turns its rows'
+    log-probs into its token_logprobs."""
+
+    def __init__(self, score: Callable[[torch.Tensor], torch.Tensor]):
+        self.score = score
+        self.batches: list[tuple[list[int], torch.Tensor | None, Callable]] = []
+        self.num_rows = 0
+
+    def add(self, batch: list[int], rows: torch.Tensor | None, done: Callable) -> bool:
+        """Queue a batch (rows None: nothing to score); True when the queue should be drained now."""
+        self.batches.append((batch, rows, done))
+        self.num_rows += 0 if rows is None else rows.shape[0]
+        return self.num_rows >= SCORER_ROWS or rows is None
+
+    def drain(self) -> Iterator[tuple[list[int], list]]:
+        """(batch, token_logprobs) of every queued batch, in order, after one scorer call for all their rows."""
+        batches, self.batches, self.num_rows = self.batches, [], 0
+        rows = [r for _, r, _ in batches if r is not None]
+        scores = self.score(torch.cat(rows)) if rows else None  # (N, K)
+        start = 0
+        for batch, batch_rows, done in batches:
+            n = 0 if batch_rows is None else batch_rows.shape[0]
+            yield batch, done(None if scores is None or not n else scores[start:start + n])
+            start += n
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's transformer blocks: its first ModuleList (`model.layers` in Qwen2, Llama, Mistral...); [] if none."""
+    return next((list(m) for m in model.modules() if isinstance(m, torch.nn.ModuleList)), [])
+
+
+@contextmanager
+def rows_only(module: torch.nn.Module | None, index: torch.Tensor | None):
+    """While inside, module (a row-wise one: an MLP) runs only on the rows `index` of its flattened (..., H)
+    input; the other rows of its output are zeros. Nothing changes when module or index is None. The hooks are
+    the module's while inside, so one forward pass at a time per model (as the server's one worker thread runs
+    them; int8's row quantisers already ask for that)."""
+    if module is None or index is None:
+        yield
+        return
+    shape: list[torch.Size | None] = []
+
+    def take(_, args):
+        if len(args) != 1 or not isinstance(args[0], torch.Tensor):  # called another way: left whole
+            shape.append(None)
+            return None
+        x = args[0]
+        shape.append(x.shape)
+        rows = x.reshape(-1, x.shape[-1]).index_select(0, index)
+        return (rows.view(*[1] * (x.dim() - 2), *rows.shape),)  # as many dimensions as before (an MoE block's 3)
+
+    def put(_, args, out):
+        if (whole := shape.pop()) is None:
+            return None
+        rows = out[0] if isinstance(out, tuple) else out  # an MoE block's (hidden states, router logits)
+        full = rows.new_zeros(*whole[:-1], rows.shape[-1])
+        full.view(-1, rows.shape[-1]).index_copy_(0, index, rows.reshape(-1, rows.shape[-1]))
+        return (full, *out[1:]) if isinstance(out, tuple) else full
+
+    handles = (module.register_forward_pre_hook(take), module.register_forward_hook(put))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

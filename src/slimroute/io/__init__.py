@@ -1,0 +1,1 @@
+"""Rows in (CSV / JSONL / Parquet / text, standard input), durable records out, and the synthetic sample tickets."""
