@@ -73,19 +73,32 @@ def decide(rule: str, label_ids: list[tuple[int, ...]], token_logprobs: list[lis
 
 
 def greedy_choice(label_ids: list[tuple[int, ...]], token_logprobs: list[list[float]]) -> int:
-    alive = list(range(len(label_ids)))
-    depth = 0
-    while True:
-        complete = [i for i in alive if len(label_ids[i]) == depth]
-        if complete:
-            return complete[0]
-        # Allowed next tokens and their log-probs (labels sharing the path share the context).
-        options: dict[int, float] = {}
-        for i in alive:
-            options.setdefault(label_ids[i][depth], token_logprobs[i][depth])
-        best = max(options, key=lambda tok: (options[tok], -tok))
-        alive = [i for i in alive if label_ids[i][depth] == best]
-        depth += 1
+    walk = _GreedyWalk(label_ids, token_logprobs)
+    for _ in walk:
+        pass
+    return walk.chosen
+
+
+class _GreedyWalk:
+    """The greedy path through the label trie: iterating yields each step's allowed next tokens and their log-probs
+    (labels sharing the path share the context); `chosen` is then the label it completes (a label whose tokens are a
+    prefix of another's wins as soon as it is complete). The one walk behind greedy_choice and decision_margin."""
+
+    def __init__(self, label_ids: list[tuple[int, ...]], token_logprobs: list[list[float]]):
+        self.label_ids, self.token_logprobs = label_ids, token_logprobs
+        self.chosen: int | None = None
+
+    def __iter__(self):
+        ids, alive, depth = self.label_ids, list(range(len(self.label_ids))), 0
+        while not (complete := [i for i in alive if len(ids[i]) == depth]):
+            options: dict[int, float] = {}
+            for i in alive:
+                options.setdefault(ids[i][depth], self.token_logprobs[i][depth])
+            yield options
+            best = max(options, key=lambda tok: (options[tok], -tok))
+            alive = [i for i in alive if ids[i][depth] == best]
+            depth += 1
+        self.chosen = complete[0]
 
 
 def trie_paths(label_ids: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
@@ -198,15 +211,9 @@ def decision_margin(rule: str, label_ids: list[tuple[int, ...]], token_logprobs:
     if rule == "max-prob":
         totals = sorted((sum(lps) for lps in token_logprobs), reverse=True)
         return totals[0] - totals[1]
-    alive, depth, margin = list(range(len(label_ids))), 0, float("inf")
-    while not any(len(label_ids[i]) == depth for i in alive):
-        options: dict[int, float] = {}
-        for i in alive:
-            options.setdefault(label_ids[i][depth], token_logprobs[i][depth])
+    margin = float("inf")
+    for options in _GreedyWalk(label_ids, token_logprobs):
         ranked = sorted(options.values(), reverse=True)
         if len(ranked) > 1:
             margin = min(margin, ranked[0] - ranked[1])
-        best = max(options, key=lambda tok: (options[tok], -tok))
-        alive = [i for i in alive if label_ids[i][depth] == best]
-        depth += 1
     return margin
