@@ -10,14 +10,12 @@ from slimroute.labels import DECISIONS, DEFAULT_FALLBACK, Fallback
 @dataclass(frozen=True)
 class EngineConfig:
     batch_size: int = 32  # items per batch (upper bound when max_batch_tokens is set)
-    # Padded item tokens per batch (items x longest item); None: batches by count only. On a 2-core CPU a
-    # budget keeps each batch's activations in cache (600 tickets, bf16: 13.9 items/s at 512 vs 13.5 without,
-    # `slimroute bench`; 12.2 vs 9.4 when greedy batches of 32 still held 32 x 300+ tokens of long tail).
+    # Padded item tokens per batch (items x longest item); None: batches by count only. A budget keeps each batch's
+    # activations in the CPU's caches (docs/design.md).
     max_batch_tokens: int | None = 512
     max_padding: float | None = None  # optional hard cap on a batch's padded share of tokens
     # The fixed cost of one forward pass in item tokens (streaming the weights once); sorted batches are the
-    # cheapest split under (this + padded tokens). Measured on a 2-core CPU with the 0.5B model: about 33
-    # tokens' time in fp32, 45 in bf16 (a batch of 8 tokens took 82 / 58 ms, each further token ~2.1 / 1.1 ms).
+    # cheapest split under (this + padded tokens): about 40 tokens' time for the 0.5B model on 2 cores.
     batch_overhead_tokens: int = 40
     prefix_cache: bool = True  # compute the shared prompt prefix once and reuse its keys/values
     sort: bool = True  # sort items by token length before batching

@@ -411,11 +411,10 @@ def pick_attention(device: torch.device | str, dtype: torch.dtype, attention: st
     Why: bf16 results must not depend on the batch. Its GEMMs (oneDNN, fp32 accumulation) give each row
     the same bits whatever the other rows, but SDPA's CPU flash kernel picks its block sizes from the
     sequence lengths, so a cached prefix or a padded batch rounds differently from the one-at-a-time
-    prompt (measured: 1-4% of labels flipped, max |Δ log-prob| 0.2). Eager attention (bf16 matmuls, fp32
-    softmax; padded keys add exact zeros) made the fast path bit-identical to the reference on the 600
-    tickets. int8 needs more: every fp32 op must give the same bits, or a row quantises differently; eager's
+    prompt. Eager attention (bf16 matmuls, fp32 softmax; padded keys add exact zeros) gives the reference's
+    bits. int8 needs more: every fp32 op must give the same bits, or a row quantises differently; eager's
     matmuls still follow the padded shapes on AVX2, the invariant kernel does not. fp32 differences are ~1e-5
-    either way, so fp32 keeps the kernel that measured faster."""
+    either way, so fp32 keeps the faster kernel."""
     if attention not in ATTENTION:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
     if attention != "auto":

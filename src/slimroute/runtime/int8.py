@@ -7,8 +7,8 @@ so a ticket gets the same bits alone or in a batch of 32. How many bits the acti
 (ACTIVATIONS): fbgemm's 7 (act_max 63): on CPUs without VNNI it adds pairs of u8 x s8 products in int16
 (vpmaddubsw), which saturates for 8-bit activations and int8 weights; with 7-bit activations no pair can overflow,
 so its accumulation is exact on every x86 CPU. oneDNN's (taken on VNNI CPUs only, whose dot products add into int32
-directly) 8 (act_max 127), twice the resolution: on the sample tickets its labels agree with fp32's more often
-(88.0% against 83.5% of 200, Intel Xeon with AMX). pick_kernel's probe checks the 8-bit products are exact.
+directly) 8 (act_max 127), twice the resolution (docs/dtypes.md). pick_kernel's probe checks the 8-bit products are
+exact.
 
 Embeddings, norms, attention (attention.py), the residual stream and the output head / label scorer stay fp32; the
 output head runs rows in fixed-size blocks on a lossless compact weight (output_head.py) so its rows do not depend
@@ -17,10 +17,9 @@ the layers in front.
 
 Two kernels give the exact integer products (integers add exactly in any order; the scales multiply each output
 element alike; fed the same integers, the same bits): fbgemm's (`torch.ops.quantized`, AVX2 and AVX512-VNNI) and
-oneDNN's (`torch.ops.onednn.qlinear_pointwise`), which also runs on AMX tiles (Intel Xeon since Sapphire Rapids: 4x
-fbgemm's rate) and on AVX-VNNI (Intel Core since Alder Lake, AMD Zen 5: 1.7x fbgemm's AVX2 rate, which has no
-VNNI). pick_kernel takes oneDNN on CPUs with any VNNI when a probe layer gives exact products at 8 bits, else
-fbgemm.
+oneDNN's (`torch.ops.onednn.qlinear_pointwise`), which also runs on AMX tiles and on AVX-VNNI, where it is the
+faster of the two (docs/dtypes.md has the rates). pick_kernel takes oneDNN on CPUs with any VNNI when a probe layer
+gives exact products at 8 bits, else fbgemm.
 
 The elementwise work around the GEMMs (quantising rows; a gated MLP's scales, silu, product and the down projection's
 quantising: Int8GatedMLP) is compiled by torch.compile where it works here (elementwise()), else eager: the same
@@ -101,11 +100,7 @@ ONEDNN_FLAGS = ("amx_int8", "avx512_vnni", "avx_vnni")  # where oneDNN's int8 GE
 def pick_kernel(cpu=None) -> str:
     """oneDNN's int8 kernel where the CPU has a VNNI (AMX-INT8, AVX512-VNNI or AVX-VNNI) and a probe layer gives
     exact integer products through it, else fbgemm (decided once per process; a failing probe is logged in one line).
-
-    On the model's shapes, 512 rows, 2 threads, an Intel Xeon with AMX (oneDNN held to each ISA with
-    ONEDNN_MAX_CPU_ISA, fbgemm to AVX2 with FBGEMM_ENABLE_INSTRUCTIONS): AMX 4.0-4.3 TOP/s against fbgemm's 1.0-1.1
-    (AVX512-VNNI); AVX512-VNNI 1.26-1.33 against 1.0-1.1; AVX-VNNI (AVX2 only: Intel Core since Alder Lake) 0.62
-    against fbgemm's AVX2 0.36. Without a VNNI, oneDNN is no faster on AVX2 and half fbgemm's rate on AVX-512."""
+    With a VNNI oneDNN's GEMM is the faster; without one it is no faster on AVX2 and slower on AVX-512."""
     cpu = cpu or detect()
     if not set(ONEDNN_FLAGS) & cpu.flags:
         return "fbgemm"

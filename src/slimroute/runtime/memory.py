@@ -63,8 +63,7 @@ def share_the_main_malloc_arena() -> None:
     """Let threads started from now on allocate from glibc's main arena (mallopt M_ARENA_MAX = 1).
 
     In a thread of its own arena, the engine's large activation buffers are mapped fresh and faulted in
-    on every batch: measured 136k page faults and 10-15% lower throughput per 160 tickets than the same
-    engine on the main thread (6k faults with one arena, and no gap). Process-wide, so only the server,
+    on every batch, which costs throughput (docs/design.md). Process-wide, so only the server,
     whose engine runs in a worker thread, calls it; a no-op off glibc."""
     if not sys.platform.startswith("linux"):
         return

@@ -16,10 +16,7 @@ from torch import nn
 
 HEAD_BLOCK = 32  # rows per output-head GEMM call
 HEAD_CHUNK = 4096  # vocabulary rows of a compact head turned back into fp32 at a time (14.7 MB)
-# Measured, the head alone on 64-row calls (Intel Xeon with AMX, 2 threads, oneDNN fp32): blocks of 16 rows on
-# 1024-row slices 90 GFLOP/s, 32 on 4096 130, 64 on 4096 159; but the reference scores one row at a time, each in a
-# whole block: a lone row took 66 ms in 16-row blocks, 79 in 32, 108 in 64 (the int8 reference over 600 tickets:
-# 147 s with 64-row blocks against 109 with 16)
+# (larger blocks run faster GEMMs, but the reference scores one row at a time, each in a whole block: docs/design.md)
 Q8_BLOCK = 32  # a Q8_0 block: this many consecutive weights share one scale
 
 

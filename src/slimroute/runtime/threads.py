@@ -29,14 +29,11 @@ VECTOR_MATH_GRAIN = 2048  # elements per thread before ATen splits such a call o
 
 
 def warm_up_vector_math() -> None:
-    """Call each of torch's vector-math functions once, over every thread, before a model runs. Measured with torch
-    2.13 (MKL VML) on an Intel Xeon, 2 threads: a process's first torch.log over 12800 floats gave the second
-    thread's half off the correctly rounded values (5714 of them) in 3 of 4 processes, every later call none;
-    the first torch.cos did the same in a third of processes. The first forward pass of a process computes the
-    rotary cos/sin, so in those processes the cached prompt prefix (the first pass) had keys off by up to 8e-3 in
-    layer 0, and the same ticket got other log-probs than in every other process (int8: -1.369 or -1.567 against
-    -1.289, 1 process in 4-10). One call per function in the process is enough (later threads read correct
-    values); it costs about a millisecond, once per process and thread count (load_model and every Engine ask)."""
+    """Call each of torch's vector-math functions once, over every thread, before a model runs: MKL's vector math
+    can compute a worker thread's share of a process's first call differently from every later call, and a
+    process's first forward pass (the prompt prefix's: rotary cos/sin) would then give other keys, and other
+    log-probs, than every other process (docs/design.md). One call per function is enough; it costs about a
+    millisecond, once per process and thread count (load_model and every Engine ask)."""
     _warm_up_vector_math(torch.get_num_threads())
 
 
