@@ -6,7 +6,7 @@ import json
 
 import pytest
 from rich.console import Console
-from test_jobs import fail_on_commit
+from test_local import fail_on_commit
 from typer.testing import CliRunner
 
 from slimroute import cli

@@ -13,7 +13,7 @@ import time
 
 import pytest
 from rich.console import Console
-from test_jobs import LABELS, SETTINGS, StubClassifier, fail_on_commit, run, tickets, write_jsonl
+from test_local import LABELS, SETTINGS, StubClassifier, fail_on_commit, run, tickets, write_jsonl
 from typer.testing import CliRunner
 
 from slimroute import cli

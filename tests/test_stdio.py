@@ -9,7 +9,7 @@ import sys
 
 import pytest
 from rich.console import Console
-from test_jobs import LABELS, SETTINGS, StubClassifier, run, tickets, write_jsonl
+from test_local import LABELS, SETTINGS, StubClassifier, run, tickets, write_jsonl
 from typer.testing import CliRunner
 
 from slimroute import cli
