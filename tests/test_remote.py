@@ -10,7 +10,7 @@ import sys
 
 import httpx
 import pytest
-from test_jobs import fail_on_commit
+from test_local import fail_on_commit
 from test_server import LABELS, TEXTS, check_matches_offline, free_port, live_server, make_engine, wait_until
 from tiny import tiny_model
 from typer.testing import CliRunner
