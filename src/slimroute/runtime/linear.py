@@ -23,7 +23,7 @@ class OneDNNLinear(nn.Module):
     """Drop-in for nn.Linear that calls oneDNN (private ops: torch is pinned).
 
     pack=True keeps only a copy of the weight reordered once into oneDNN's blocked layout (bit-identical
-    results for every batch shape, checked in tests/test_kernels.py) instead of letting oneDNN reorder it
+    results for every batch shape, checked in tests/test_linear.py) instead of letting oneDNN reorder it
     on every call. The output head stays plain: the label scorer reads its rows, and it may be tied to the
     input embeddings (packing would hold it twice); it runs once per item, where packing gains little.
     """
