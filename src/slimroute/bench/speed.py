@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -26,6 +27,7 @@ import torch
 import transformers
 
 from slimroute.bench import peers
+from slimroute.bench.limit import GemmCalls, Limit, profile_markdown, profile_ops, replay
 from slimroute.config import EngineConfig
 from slimroute.engine.verify import compare
 from slimroute.io.synth import synthetic_tickets
@@ -69,6 +71,8 @@ class Row:
     rechecked: int | None = None
     speedup: float | None = None
     note: str | None = None  # a skipped or failed row: why (its figures are then zeros)
+    limit_share: float | None = None  # a timed row: its items/s as a share of its GEMM-only limit (bench.limit)
+    limit_of: str | None = None  # a GEMM-only limit row: the name of the row whose GEMMs it timed
 
     @property
     def items_per_s(self) -> float:
@@ -161,11 +165,13 @@ class GenerateBaseline:
         return preds
 
 
-def run_row(name, dtype, classifier, texts, golds, reference=None, tokens=None) -> tuple[Row, list[Prediction]]:
-    """Classify texts after a warm-up; the row's figures, checked against reference (same dtype) when given."""
+def run_row(name, dtype, classifier, texts, golds, reference=None, tokens=None, during=nullcontext
+            ) -> tuple[Row, list[Prediction]]:
+    """Classify texts after a warm-up; the row's figures, checked against reference (same dtype) when given.
+    during: a context manager factory entered around the timed run alone (GemmCalls: recording costs ~1 us a GEMM)."""
     classifier.classify(texts[:4])  # warm-up, excluded from the timing
     gc.collect()
-    with PeakRSS() as rss:
+    with PeakRSS() as rss, during():
         start = time.perf_counter()
         preds = classifier.classify(texts)
         seconds = time.perf_counter() - start
@@ -188,8 +194,9 @@ def run_row(name, dtype, classifier, texts, golds, reference=None, tokens=None) 
 
 
 def run_bench(n=600, batch_size=32, dtypes=None, model="qwen2.5-coder-0.5b", threads=None,
-              max_batch_tokens=512, quick=False, recheck_margin=None, ablation=False, log=print) -> dict:
-    """dtypes: None for every dtype (one this CPU cannot run becomes a row saying why).
+              max_batch_tokens=512, quick=False, recheck_margin=None, ablation=False, log=print, profile=False) -> dict:
+    """dtypes: None for every dtype (one this CPU cannot run becomes a row saying why). Each dtype's combined row
+    is followed by its GEMM-only limit (bench.limit); profile: also where its time goes, op by op.
     ablation: also each technique alone, default torch kernels, batching by count and a few-shot prefix (the
     first dtype). recheck_margin: also run bf16 with the near-tie recheck."""
     started = time.perf_counter()
@@ -201,7 +208,7 @@ def run_bench(n=600, batch_size=32, dtypes=None, model="qwen2.5-coder-0.5b", thr
     texts, golds = [t["text"] for t in tickets], [t["label"] for t in tickets]
     bench = _Bench(texts, golds, log)
     max_batch_tokens = max_batch_tokens or None
-    plan = _Plan(batch_size, max_batch_tokens, recheck_margin, ablation and not quick)
+    plan = _Plan(batch_size, max_batch_tokens, recheck_margin, ablation and not quick, profile)
     refs: dict[str, list[Prediction]] = {}
     attention: dict[str, str] = {}
     fresh: dict[str, dict] = {}
@@ -242,6 +249,7 @@ def run_bench(n=600, batch_size=32, dtypes=None, model="qwen2.5-coder-0.5b", thr
     return {"machine": machine_info(threads, cpu), "n": n, "batch_size": batch_size, "model": model,
             "auto_dtype": {"dtype": auto.name, "reason": auto.reason}, "attention": attention,
             "recheck_margin": recheck_margin, "vs_fp32": drift, "classify_process": fresh, "llama_cpp": peer,
+            "profile": bench.profiles,
             "rows": [{**asdict(r), "items_per_s": r.items_per_s} for r in rows],
             "wall_s": time.perf_counter() - started}  # the whole bench, loads included
 
@@ -252,6 +260,7 @@ class _Plan:
     max_batch_tokens: int | None
     recheck_margin: float | None
     ablation: bool
+    profile: bool = False
 
     @property
     def all_on(self) -> EngineConfig:
@@ -268,10 +277,14 @@ class _Bench:
 
     def __init__(self, texts, golds, log):
         self.texts, self.golds, self.log, self.rows = texts, golds, log, []
+        self.profiles: dict[str, dict] = {}
 
-    def run(self, name, dtype, classifier, reference=None) -> list[Prediction] | None:
+    def run(self, name, dtype, classifier, reference=None, limit: bool = False) -> list[Prediction] | None:
+        """limit: also time the row's decoder GEMMs alone and add the GEMM-only limit row (bench.limit)."""
+        calls = GemmCalls(classifier.model) if limit else None
         try:
-            row, preds = run_row(name, dtype, classifier, self.texts, self.golds, reference)
+            row, preds = run_row(name, dtype, classifier, self.texts, self.golds, reference,
+                                 during=(lambda: calls) if calls else nullcontext)
         except Exception as exc:  # noqa: BLE001
             self.skip(name, dtype, f"failed: {type(exc).__name__}: {exc}")
             return None
@@ -280,7 +293,21 @@ class _Bench:
         self.rows.append(row)
         self.log(f"{row.name:40s} {row.dtype:9s} {row.items_per_s:6.2f} items/s  agree {fmt_pct(row.agreement)}  "
                  f"max|Δ| {fmt_sci(row.max_dlogprob)}  pad {fmt_pct(row.padding)}  acc {fmt_pct(row.accuracy)}")
+        if calls is not None and calls.calls:
+            self.add_limit(row, Limit(row.items, row.seconds, replay(calls.calls), len(calls.calls)))
         return preds
+
+    def add_limit(self, row: Row, limit: Limit) -> None:
+        row.limit_share = limit.share
+        self.rows.append(Row(f"GEMM-only limit (the decoder's linear layers alone: the same {limit.num_gemms:,} "
+                             f"GEMMs)", row.dtype, limit.gemm_seconds, limit.items, None, None, None, None, 0.0,
+                             row.tokens, limit_of=row.name))
+        self.log(f"{'GEMM-only limit':40s} {row.dtype:9s} {limit.items_per_s:6.2f} items/s  "
+                 f"the row reaches {fmt_pct(limit.share)} of it")
+
+    def profile(self, dtype: str, classifier) -> None:
+        self.profiles[dtype] = profile_ops(classifier, self.texts)
+        self.log("\n".join(profile_markdown(dtype, self.profiles[dtype])))
 
     def skip(self, name, dtype, note) -> None:
         self.rows.append(Row(name, dtype, 1.0, 0, None, None, None, 0.0, 0.0, 0, note=note))
@@ -314,7 +341,9 @@ def _dtype_rows(bench: _Bench, plan: _Plan, router: Router, dtype: str, first: b
             bench.run("all combined, default torch kernels", dtype, router.with_config(plan.all_on).engine, ref)
             set_linear_kernels(m, loaded.kernels)
     combined = f"all combined ({plan.batching}, {loaded.kernels} kernels, {loaded.attention} attention)"
-    bench.run(combined, dtype, router.engine, ref)
+    bench.run(combined, dtype, router.engine, ref, limit=True)
+    if plan.profile:
+        bench.profile(dtype, router.engine)
     if plan.ablation and last and plan.max_batch_tokens:
         by_count = EngineConfig(batch_size=plan.batch_size, max_batch_tokens=None)
         bench.run(f"all combined, batch {plan.batch_size} without a token budget", dtype,
@@ -396,19 +425,30 @@ def markdown(record: dict, command: str) -> str:
         "",
         f"`--dtype auto` on this CPU: **{auto.get('dtype', '?')}** ({auto.get('reason', '?')})",
         "",
-        "| row | dtype | seconds | items/s | speedup | padding | agreement | max \\|Δ log-prob\\| | accuracy "
-        "| peak RSS (row) | tokens | rechecked |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| row | dtype | seconds | items/s | speedup | of GEMM limit | padding | agreement | max \\|Δ log-prob\\| "
+        "| accuracy | peak RSS (row) | tokens | rechecked |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in record["rows"]:
         if r.get("note"):
-            lines.append(f"| {r['name']} | {r['dtype']} | {r['note']} | | | | | | | | | |")
+            lines.append(f"| {r['name']} | {r['dtype']} | {r['note']} | | | | | | | | | | |")
+            continue
+        if r.get("limit_of"):
+            lines.append(f"| *{r['name']}* | {r['dtype']} | {r['seconds']:.1f} | *{r['items_per_s']:.2f}* | "
+                         f"{r['speedup']:.2f}x | 100% | | | | | | | |")
             continue
         lines.append(
             f"| {r['name']} | {r['dtype']} | {r['seconds']:.1f} | {r['items_per_s']:.2f} | {r['speedup']:.2f}x | "
-            f"{fmt_pct(r['padding'])} | {fmt_pct(r['agreement'])} | {fmt_sci(r['max_dlogprob'])} | "
-            f"{fmt_pct(r['accuracy'])} | {r['peak_rss_gb']:.2f} GB | {r['tokens']:,} | {fmt_count(r['rechecked'])} |"
+            f"{fmt_pct(r.get('limit_share'))} | {fmt_pct(r['padding'])} | {fmt_pct(r['agreement'])} | "
+            f"{fmt_sci(r['max_dlogprob'])} | {fmt_pct(r['accuracy'])} | {r['peak_rss_gb']:.2f} GB | {r['tokens']:,} | "
+            f"{fmt_count(r['rechecked'])} |"
         )
+    if any(r.get("limit_of") for r in record["rows"]):
+        lines += ["", "GEMM-only limit: the decoder's linear layers alone, the same GEMMs on the same row counts as "
+                      "the row above ran, replayed and timed; its items/s is what that row would do if nothing around "
+                      "the GEMMs took time. \"of GEMM limit\" = the row's items/s / the limit's."]
+    for dtype, profile in (record.get("profile") or {}).items():
+        lines += ["", *profile_markdown(dtype, profile)]
     for dtype, drift in (record.get("vs_fp32") or {}).items():
         lines += ["", f"{dtype} reference vs fp32 reference: label agreement {fmt_pct(drift['agreement'])}, "
                       f"max |Δ log-prob| {drift['max_abs_logprob_diff']:.3f}"]

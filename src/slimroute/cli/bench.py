@@ -27,6 +27,8 @@ def bench(
     plot: bool = typer.Option(False, "--plot", help="Also write a PNG bar chart."),
     recheck_margin: float = typer.Option(None, "--recheck-margin",
                                          help="Also run bf16 with the near-tie recheck at this margin."),
+    profile: bool = typer.Option(False, "--profile", help="Also where each dtype's time goes: the top ops by self "
+                                                          "time and the decoder GEMMs' share (torch profiler)."),
     accuracy: bool = typer.Option(False, "--accuracy", help="Accuracy rows instead: descriptions, calibration, "
                                                             "few-shot, heads (first --dtype; default auto)."),
 ):
@@ -37,7 +39,7 @@ def bench(
                               max_batch_tokens, out, command)
     try:
         record = run_bench(n, batch_size, tuple(dtype or ()), model, threads, max_batch_tokens, quick, recheck_margin,
-                           ablation, log=lambda line: ui.console.print(line, highlight=False))
+                           ablation, log=lambda line: ui.console.print(line, highlight=False), profile=profile)
     except (ValueError, ModelNotFoundError) as exc:
         ui.fail(str(exc))
     paths = write_outputs(record, out, command, plot)

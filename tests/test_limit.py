@@ -1,0 +1,83 @@
+"""The bench's GEMM-only limit and op profile (bench/limit.py), on tiny models."""
+
+import pytest
+import torch
+from test_int8 import int8_model
+from tiny import tiny_model
+from torch import nn
+
+from slimroute.bench.limit import DECODER_GEMM, GemmCalls, Limit, profile_markdown, profile_ops, replay
+from slimroute.config import EngineConfig
+from slimroute.engine.fast import Engine
+from slimroute.runtime.int8 import Int8Linear
+from slimroute.runtime.linear import OneDNNLinear, onednn_failure, set_linear_kernels
+from slimroute.task import Task
+
+TASK = Task(["billing", "technical", "account"])
+TEXTS = ["refund my card please", "the app crashes at login", "reset password", "upgrade plan", "server error"]
+
+
+def _engine(model, tok, batch_size=2):
+    return Engine(model, tok, TASK, EngineConfig(batch_size=batch_size))
+
+
+def test_limit_arithmetic():
+    limit = Limit(items=600, row_seconds=40.0, gemm_seconds=26.0, num_gemms=1000)
+    assert limit.items_per_s == pytest.approx(600 / 26.0)
+    assert limit.share == pytest.approx(26.0 / 40.0)  # the row's items/s over the limit's
+    assert limit.share == pytest.approx((600 / 40.0) / limit.items_per_s)
+
+
+def test_int8_gemms_recorded_one_per_linear_layer_per_pass_with_the_passes_rows():
+    model, tok = int8_model("qwen2")
+    engine = _engine(model, tok)
+    plain = engine.classify(TEXTS)
+    with GemmCalls(model) as calls:
+        recorded = engine.classify(TEXTS)
+    assert [p.logprobs for p in recorded] == [p.logprobs for p in plain]  # recording changes nothing
+    layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    assert len(layers) == 2 * 7 and len(calls.layers) == len(layers)  # q k v o gate up down, no head
+    assert not any("integer_product" in layer.__dict__ for layer in layers)  # the class's method is back
+    # every pass runs each of a layer's 7 GEMMs once (the last layer's MLP on the scored rows alone: rows_only)
+    assert len(calls.calls) % 14 == 0
+    q_proj = model.model.layers[0].self_attn.q_proj
+    q_rows = [c.rows for c in calls.calls if c.gemm.__self__ is q_proj]
+    # the first pass of a batch runs its padded items: batch 2, items sorted by length, so rows = 2 x the longest
+    lengths = sorted(len(ids) for ids in engine.encode(TEXTS)[0])
+    assert q_rows[0] in {2 * max(pair) for pair in zip(lengths[::2], lengths[1::2], strict=False)} | {lengths[-1]}
+    assert all(c.dtype == torch.uint8 or c.kernel == "fbgemm" for c in calls.calls)
+
+    ran = []
+    for i, call in enumerate(calls.calls):  # replay runs exactly the recorded GEMMs, on inputs of their shapes
+        calls.calls[i] = type(call)(lambda x, g=call.gemm, r=call.rows: ran.append((g, r, tuple(x.shape))) or g(x),
+                                    call.rows, call.in_features, call.dtype, call.kernel)
+    assert replay(calls.calls) > 0
+    assert [(r, s) for _, r, s in ran] == [(c.rows, (c.rows, c.in_features)) for c in calls.calls]
+
+
+@pytest.mark.parametrize("kernels", ["default", "onednn"])
+def test_float_gemms_recorded_for_default_and_onednn_linears(kernels):
+    if kernels == "onednn" and (problem := onednn_failure(torch.float32)):
+        pytest.skip(f"oneDNN's fp32 linear does not run here: {problem}")
+    model, tok = tiny_model("llama")
+    set_linear_kernels(model, kernels)
+    engine = _engine(model, tok)
+    with GemmCalls(model) as calls:
+        engine.classify(TEXTS[:3])
+    kind = OneDNNLinear if kernels == "onednn" else nn.Linear
+    assert len(calls.layers) == 14 and all(type(m) is kind for m in calls.layers)
+    assert model.get_output_embeddings() not in calls.layers
+    assert calls.calls and all(c.kernel == "float" and c.dtype == torch.float32 for c in calls.calls)
+    assert not any("forward" in m.__dict__ for m in calls.layers)
+    assert replay(calls.calls) > 0
+
+
+def test_profile_names_the_ops_and_the_decoder_gemms_share():
+    model, tok = int8_model("qwen2")
+    engine = _engine(model, tok)
+    profile = profile_ops(engine, TEXTS, top=5)
+    assert 0 < profile["decoder_gemm_share"] < 1
+    assert len(profile["ops"]) == 5 and DECODER_GEMM not in {op["name"] for op in profile["ops"]}
+    assert profile["ops"][0]["self_s"] >= profile["ops"][-1]["self_s"]
+    table = profile_markdown("int8", profile)
+    assert "decoder GEMMs" in table[0] and len(table) == 4 + 5
