@@ -272,8 +272,8 @@ BAD_BODIES = [
     (b'{"text": ""}', 422, "text", "empty"),
     (b'{"texts": ["a", "b"], "ids": [1]}', 422, "ids", "1 ids for 2 texts"),
     (b'{"text": "a", "colour": "red"}', 422, "colour", "Extra inputs"),
-    (json.dumps({"texts": ["x"] * 9}).encode(), 413, "texts", "limit is 8"),
-    (json.dumps({"texts": ["ok", "y" * 301]}).encode(), 413, "texts[1]", "limit is 300 characters"),
+    (json.dumps({"texts": ["x"] * 9}).encode(), 422, "texts", "limit is 8"),  # limits the schema states: 422
+    (json.dumps({"texts": ["ok", "y" * 301]}).encode(), 422, "texts[1]", "limit is 300 characters"),
     (json.dumps({"texts": ["ok", "zq" * 100]}).encode(), 413, "texts[1]", "200 tokens; the limit is 100"),
     (json.dumps({"text": "z" * 5000}).encode(), 413, "body", "limit of 4000 bytes"),
 ]

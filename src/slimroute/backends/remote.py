@@ -25,9 +25,12 @@ from slimroute.labels import Fallback, Prediction
 
 
 class ServerError(RuntimeError):
-    def __init__(self, status: int, message: str, field: str | None = None):
-        super().__init__(f"server answered {status}: {message}")
-        self.status, self.message, self.field = status, message, field
+    """A 4xx/5xx answer in the server's error shape: status, message, the field at fault, the request id its log
+    line carries."""
+
+    def __init__(self, status: int, message: str, field: str | None = None, request_id: str | None = None):
+        super().__init__(f"server answered {status}: {message}")  # no request id: row errors stay the same per run
+        self.status, self.message, self.field, self.request_id = status, message, field, request_id
 
 
 class ServerUnreachable(ValueError):
@@ -62,11 +65,11 @@ def raise_for_error(response: httpx.Response) -> None:
     try:
         error = response.json()["error"]
         message, field = error.get("message", response.text), error.get("field")
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         message, field = response.text or response.reason_phrase, None
     if response.status_code in (401, 403):
         raise AccessDenied(f"the server refused the request ({response.status_code}): {message}")
-    raise ServerError(response.status_code, message, field)
+    raise ServerError(response.status_code, message, field, response.headers.get("x-request-id"))
 
 
 def retry_delay(response: httpx.Response, default: float = 1.0) -> float:

@@ -21,7 +21,12 @@ def serve(
     recheck_margin: float = opt.RECHECK, head: Path = opt.HEAD, min_prob: float = opt.MIN_PROB,
     fallback_label: str = opt.FALLBACK,
     max_gather_tokens: int = typer.Option(
-        8192, "--max-gather-tokens", help="Item tokens gathered from the queue into one engine call (0: no cap)."
+        2048, "--max-gather-tokens", help="Item tokens in one engine call; a larger request runs over several, other "
+        "requests taking turns between them (0: no cap)."
+    ),
+    preempt_tokens: int = typer.Option(
+        1024, "--preempt-tokens", help="While an engine call has more item tokens than this left to run, requests "
+        "that arrive run between its steps (0: calls run one at a time)."
     ),
     decision: str = opt.DECISION,
     max_wait_ms: float = typer.Option(50.0, "--max-wait-ms", help="How long a batch waits for more requests."),
@@ -30,6 +35,8 @@ def serve(
     max_text_chars: int = typer.Option(20_000, "--max-text-chars", help="Characters per text."),
     max_text_tokens: int = typer.Option(2048, "--max-text-tokens", help="Tokens per text (0: the context)."),
     max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes", help="Request body size."),
+    read_timeout: float = typer.Option(30.0, "--read-timeout", help="Seconds a request's headers, and then its body, "
+                                       "may take to arrive (else 408 and the connection closes)."),
     access_log: bool = typer.Option(False, "--access-log", help="Log every request."),
     api_key: list[str] = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY' on /v1/* "
                                       "(repeat for several keys; default: $SLIMROUTE_API_KEY, comma-separated)."),
@@ -53,9 +60,10 @@ def serve(
             head_tasks = TaskSet({single.name: single}, single.name)
         task_set, settings = prepare(
             task_file=task, labels=labels, instructions=instructions, batch_size=batch_size, tasks=head_tasks,
-            max_gather_tokens=max_gather_tokens, max_wait_ms=max_wait_ms, max_queue=max_queue, max_texts=max_texts,
+            max_gather_tokens=max_gather_tokens, preempt_tokens=preempt_tokens, max_wait_ms=max_wait_ms,
+            max_queue=max_queue, max_texts=max_texts,
             max_text_chars=max_text_chars, max_text_tokens=max_text_tokens, max_body_bytes=max_body_bytes,
-            api_keys=api_key, api_key_file=api_key_file, metrics_need_key=metrics_need_key)
+            read_timeout_s=read_timeout, api_keys=api_key, api_key_file=api_key_file, metrics_need_key=metrics_need_key)
         calibration = calibration_settings(calibrate, calibration_data, text_column, label_column)
         task_set = with_accuracy_options(task_set, examples, shots, text_column, label_column or "label", calibration,
                                          the_head, truncate_tokens)

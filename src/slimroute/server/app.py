@@ -2,9 +2,10 @@
 
 `engines` maps task name -> Engine (or is a zero-argument callable that builds that mapping, run in a thread at
 startup so /health answers while the model loads). Routes: POST /v1/classify, POST /v1/tasks/{name}/classify,
-GET /v1/info, /health, /ready, /metrics. Every error answers `{"error": {"type", "message", "field"}}` (schemas.py);
-compute never runs on the event loop. With API keys (`settings.api_keys`), every path but /health, /ready (and
-/metrics unless `metrics_need_key`) needs `Authorization: Bearer KEY` (auth.py).
+GET /v1/info, /health, /ready, /metrics; a path with a trailing slash is a 404, never a redirect. Every error answers
+`{"error": {"type", "message", "field", "request_id"}}` (schemas.py) with the status the OpenAPI schema declares
+for it (openapi.py); compute never runs on the event loop. With API keys (`settings.api_keys`), every path but
+/health, /ready (and /metrics unless `metrics_need_key`) needs `Authorization: Bearer KEY` (auth.py).
 """
 
 from __future__ import annotations
@@ -17,22 +18,30 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
+from slimroute.server import openapi
 from slimroute.server.auth import REASONS, ApiKeys, RequireApiKey
+from slimroute.server.body import check_media_type, parse_json
+from slimroute.server.limits import BodyDeadline, BodyLimit
 from slimroute.server.microbatch import BatchSettings, EngineFailed, MicroBatcher, QueueFull, ShuttingDown, TextTooLong
 from slimroute.server.prometheus import Prometheus
+from slimroute.server.requestlog import RequestLog, refuse
 from slimroute.server.schemas import (
     ApiError,
-    ClassifyRequest,
     ClassifyResponse,
+    Health,
+    Info,
     ItemResult,
+    OneText,
+    Readiness,
+    RequestInvalid,
     Timing,
-    describe,
-    error_response,
+    parse_request,
+    request_models,
 )
 
 CLASSIFY_PATH = re.compile(r"^/v1/(?:tasks/([^/]+)/)?classify$")
@@ -44,7 +53,9 @@ class ServerSettings:
     max_texts: int = 256  # texts per request
     max_text_chars: int = 20_000  # characters per text (the token limit is batch.max_text_tokens)
     max_body_bytes: int = 1 << 20
+    read_timeout_s: float = 30.0  # a request's headers, and then its body, must arrive within this (408)
     default_task: str | None = None  # None: the first task
+    task_names: tuple[str, ...] | None = None  # the tasks, for the schema (None: the engines' names, when known)
     model_name: str | None = None  # shown in /v1/info
     dtype: str | None = None  # what --dtype resolved to, and why (shown in /health and /v1/info)
     dtype_reason: str | None = None
@@ -56,37 +67,13 @@ class ServerSettings:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.read_timeout_s, int | float) or not self.read_timeout_s > 0:
+            raise ValueError(f"read_timeout_s must be a number of seconds > 0, got {self.read_timeout_s!r}")
         if self.api_keys is not None and not isinstance(self.api_keys, ApiKeys):
             raise ValueError(f"api_keys must be a slimroute.server.auth.ApiKeys or None, "
                              f"got {type(self.api_keys).__name__}")
         if self.metrics_need_key and self.api_keys is None:
             raise ValueError("metrics_need_key is set but no API key is given")
-
-
-class BodyLimit:
-    """Answer 413 to a body over `max_bytes`, from Content-Length or while a chunked body streams in."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        message = f"the request body is larger than the limit of {self.max_bytes} bytes"
-        length = dict(scope["headers"]).get(b"content-length", b"0")
-        if length.isdigit() and int(length) > self.max_bytes:
-            return await error_response(413, "body_too_large", message, "body")(scope, receive, send)
-        received = 0
-
-        async def limited_receive():
-            nonlocal received
-            event = await receive()
-            received += len(event.get("body", b""))
-            if received > self.max_bytes:
-                raise HTTPException(413, message)
-            return event
-
-        await self.app(scope, limited_receive, send)
 
 
 class Service:
@@ -102,6 +89,7 @@ class Service:
         self.default_task: str | None = None
         self.batcher: MicroBatcher | None = None
         self.load_error: str | None = None
+        self.request_models = request_models(self.settings.max_texts, self.settings.max_text_chars)
         self._source, self._on_load_error = engines, on_load_error
         self.app = self._app()
 
@@ -150,25 +138,48 @@ class Service:
     # ---------------------------------------------------------------- the app
 
     def _app(self) -> FastAPI:
+        s = self.settings
         app = FastAPI(title="slimroute", summary="A small LM as an exact classifier, over HTTP.",
-                      lifespan=self.lifespan)
+                      lifespan=self.lifespan, redirect_slashes=False)
         app.state.service, app.state.metrics = self, self.metrics
-        app.add_middleware(BodyLimit, max_bytes=self.settings.max_body_bytes)
-        if self.settings.api_keys is not None:  # added last, so it runs first: before the body is read
-            open_paths = {"/health", "/ready"} | (set() if self.settings.metrics_need_key else {"/metrics"})
-            app.add_middleware(RequireApiKey, keys=self.settings.api_keys, open_paths=open_paths,
-                               refuse=self.unauthorized)
+        app.add_middleware(BodyLimit, max_bytes=s.max_body_bytes)
+        app.add_middleware(BodyDeadline, seconds=s.read_timeout_s)
+        keyed = s.api_keys is not None
+        if keyed:  # added after the body's guards, so it runs before them: before the body is read
+            open_paths = {"/health", "/ready"} | (set() if s.metrics_need_key else {"/metrics"})
+            app.add_middleware(RequireApiKey, keys=s.api_keys, open_paths=open_paths, refuse=self.unauthorized)
+        app.add_middleware(RequestLog, task_of=self.task_label, count=self.count)  # outermost: sees every answer
         app.add_exception_handler(ApiError, self.on_api_error)
-        app.add_exception_handler(RequestValidationError, self.on_validation_error)
         app.add_exception_handler(HTTPException, self.on_http_error)
-        app.get("/health", summary="Liveness: the process answers")(self.health)
-        app.get("/ready", summary="Readiness: the model is loaded and the worker runs")(self.readiness)
-        app.get("/metrics", summary="Prometheus metrics")(self.prometheus)
-        app.get("/v1/info", summary="Served tasks, their labels, and the request limits")(self.info)
-        app.post("/v1/classify", response_model=ClassifyResponse,
-                 summary="Classify with the default task")(self.classify_default)
-        app.post("/v1/tasks/{name}/classify", response_model=ClassifyResponse,
-                 summary="Classify with a task")(self.classify_named)
+
+        def guarded(responses: dict, extra: dict | None = None, behind_key: bool = True) -> dict:
+            if keyed and behind_key:
+                responses, extra = openapi.keyed(responses, extra)
+            return {"responses": responses, "openapi_extra": extra}
+
+        names = s.task_names or (tuple(self._source) if isinstance(self._source, dict) else None)
+        errors = openapi.error_responses(*openapi.CLASSIFY_STATUSES)
+        app.get("/health", summary="Liveness: the process answers", response_model=Health)(self.health)
+        app.get("/ready", summary="Readiness: the model is loaded and the worker runs", response_model=None,
+                responses={200: {"model": Readiness}, **openapi.readiness_responses()})(self.readiness)
+        app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse,
+                **guarded({200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+                          behind_key=s.metrics_need_key))(self.prometheus)
+        app.get("/v1/info", summary="Served tasks, their labels, and the request limits", response_model=Info,
+                **guarded({}))(self.info)
+        app.post("/v1/classify", summary="Classify with the default task", response_model=None,
+                 **guarded({200: {"model": ClassifyResponse}, **errors},
+                           openapi.classify_extra(names, named=False)))(self.classify_default)
+        app.post("/v1/tasks/{name}/classify", summary="Classify with a task", response_model=None,
+                 **guarded({200: {"model": ClassifyResponse}, **errors, **openapi.error_responses(404)},
+                           openapi.classify_extra(names, named=True)))(self.classify_named)
+
+        def schema() -> dict:
+            if app.openapi_schema is None:
+                app.openapi_schema = openapi.build(app, s.max_texts, s.max_text_chars, keyed)
+            return app.openapi_schema
+
+        app.openapi = schema
         return app
 
     async def health(self):
@@ -195,35 +206,41 @@ class Service:
         s = self.settings
         limits = {"max_texts": s.max_texts, "max_text_chars": s.max_text_chars,
                   "max_body_bytes": s.max_body_bytes, "max_text_tokens": s.batch.max_text_tokens,
-                  "max_queue_items": s.batch.max_queue_items}
+                  "max_queue_items": s.batch.max_queue_items, "read_timeout_s": s.read_timeout_s}
         return {"model": s.model_name, "dtype": s.dtype, "dtype_reason": s.dtype_reason, "ready": self.ready,
                 "default_task": self.default_task, "tasks": tasks, "limits": limits}
 
-    async def classify_default(self, body: ClassifyRequest, request: Request):
-        return await self.classify(self.default_task, body, request)
+    async def classify_default(self, request: Request):
+        return await self.classify(self.default_task, request)
 
-    async def classify_named(self, name: str, body: ClassifyRequest, request: Request):
-        return await self.classify(name, body, request)
+    async def classify_named(self, request: Request):
+        return await self.classify(request.path_params["name"], request)
 
-    async def classify(self, name: str | None, body: ClassifyRequest, request: Request):
-        """answer() counted in the request metrics, with its status, and timed."""
+    async def classify(self, name: str | None, request: Request) -> Response:
+        """The request read as the schema says (415, 413, 408, 422), answered, and rendered here, so that an answer
+        JSON cannot carry is a 500, never a 200."""
         start = time.perf_counter()
-        status = "500"
+        check_media_type(request.headers.get("content-type"))
         try:
-            response = await self.answer(name, body, request, start)
-            status = str(getattr(response, "status_code", 200))
+            body = await request.body()
+        except ClientDisconnect:
+            return Response(status_code=499)  # the client left mid-body; nobody reads this
+        try:
+            parsed = parse_request(parse_json(body), self.request_models)
+        except RequestInvalid as exc:
+            details = [{"field": f, "message": m} for f, m in exc.problems]
+            field_, message = exc.problems[0]
+            raise ApiError(422, "invalid_request", f"{field_}: {message}", field_, details=details) from None
+        texts, ids = parsed.items()
+        response = await self.answer(name, texts, ids, request, start, single=isinstance(parsed, OneText))
+        if isinstance(response, Response):
             return response
-        except ApiError as exc:
-            status = str(exc.status)
-            raise
-        finally:
-            self.metrics.requests.labels(task=self.task_label(request), status=status).inc()
-            self.metrics.latency.labels(task=self.task_label(request)).observe(time.perf_counter() - start)
+        return JSONResponse(response.model_dump(mode="json"))
 
-    async def answer(self, name: str | None, body: ClassifyRequest, request: Request, start: float):
-        """The task's answers to the request's texts: checked, queued, awaited (or dropped if the client goes)."""
-        texts, ids = body.items()
-        self.check(name, texts)
+    async def answer(self, name: str | None, texts: list[str], ids: list, request: Request, start: float,
+                     single: bool = False):
+        """The task's answers to the texts: checked, queued, awaited (or dropped if the client goes)."""
+        self.check(name)
         batcher = self.batcher
         try:
             pending = batcher.submit(name, texts)
@@ -235,7 +252,9 @@ class Service:
         try:
             result = await wait_unless_disconnected(pending.future, request)
         except TextTooLong as exc:
-            raise ApiError(413, "text_too_long", str(exc), f"texts[{exc.index}]") from exc
+            where = "text" if single else f"texts[{exc.index}]"
+            raise ApiError(413, "text_too_long", f"{where} has {exc.num_tokens} tokens; the limit is {exc.limit} "
+                           f"tokens per text", where) from exc
         except EngineFailed as exc:
             raise ApiError(500, "engine_error", str(exc)) from exc
         finally:
@@ -254,50 +273,44 @@ class Service:
                         batch_requests=result.batch_requests)
         return ClassifyResponse(task=name, results=results, timing=timing)
 
-    def check(self, name: str | None, texts: list[str]) -> None:
-        """Refuse, as an ApiError, what the service cannot take: before it is ready, an unknown task, the limits."""
-        settings = self.settings
+    def check(self, name: str | None) -> None:
+        """Refuse, as an ApiError, what the service cannot take: before it is ready, an unknown task."""
         if not self.ready:
             raise ApiError(503, "not_ready", "the model is not loaded yet" if not self.batcher
                            else "the server is shutting down", headers={"Retry-After": "1"})
         if name not in self.engines:
             raise ApiError(404, "unknown_task", f"task {name!r} does not exist; served: {sorted(self.engines)}")
-        if len(texts) > settings.max_texts:
-            raise ApiError(413, "too_many_texts", f"the request has {len(texts)} texts; the limit is "
-                           f"{settings.max_texts} per request", "texts")
-        for i, text in enumerate(texts):
-            if len(text) > settings.max_text_chars:
-                raise ApiError(413, "text_too_long", f"texts[{i}] has {len(text)} characters; the limit is "
-                               f"{settings.max_text_chars} characters per text", f"texts[{i}]")
 
-    # ---------------------------------------------------------------- errors
+    # ---------------------------------------------------------------- accounting and errors
 
-    def task_label(self, request: Request) -> str:
-        name = request.path_params.get("name", self.default_task)
+    def task_label(self, scope: dict) -> str | None:
+        """The task label a classify request is counted under ('unknown': not served), None for other requests."""
+        match = CLASSIFY_PATH.match(scope["path"]) if scope["method"] == "POST" else None
+        if match is None:
+            return None
+        name = match.group(1) or self.default_task
         return name if name in self.engines else "unknown"
 
-    def unauthorized(self, scope: dict, reason: str) -> Response:
+    def count(self, task: str, status: int, seconds: float) -> None:
+        self.metrics.requests.labels(task=task, status=str(status)).inc()
+        self.metrics.latency.labels(task=task).observe(seconds)
+
+    def unauthorized(self, scope: dict, reason: str):
         self.metrics.unauthorized.labels(reason=reason).inc()
-        if (match := CLASSIFY_PATH.match(scope["path"])) is not None:  # counted with the classify requests too
-            name = match.group(1) or self.default_task
-            self.metrics.requests.labels(task=name if name in self.engines else "unknown", status="401").inc()
-        return error_response(401, "unauthorized", REASONS[reason], headers={"WWW-Authenticate": "Bearer"})
+        return refuse(scope, 401, "unauthorized", REASONS[reason], headers={"WWW-Authenticate": "Bearer"})
 
     async def on_api_error(self, request: Request, exc: ApiError):
-        return error_response(exc.status, exc.kind, exc.message, exc.field, exc.headers)
-
-    async def on_validation_error(self, request: Request, exc: RequestValidationError):
-        details = [dict(zip(("field", "message"), describe(e), strict=True)) for e in exc.errors()]
-        self.metrics.requests.labels(task=self.task_label(request), status="422").inc()
-        first = details[0]
-        return error_response(422, "invalid_request", f"{first['field']}: {first['message']}", first["field"],
-                              details=details)
+        return refuse(request.scope, exc.status, exc.kind, exc.message, exc.field, exc.headers, exc.details)
 
     async def on_http_error(self, request: Request, exc: HTTPException):
-        too_large = exc.status_code == 413
-        kind = "body_too_large" if too_large else "http_error"
-        return error_response(exc.status_code, kind, str(exc.detail), "body" if too_large else None,
-                              getattr(exc, "headers", None))
+        headers = getattr(exc, "headers", None)
+        if exc.status_code == 404:
+            return refuse(request.scope, 404, "not_found", "there is nothing at this path (the API is described at "
+                          "/openapi.json and /docs)", None, headers)
+        if exc.status_code == 405:
+            allowed = (headers or {}).get("Allow", "")
+            return refuse(request.scope, 405, "method_not_allowed", f"this path takes {allowed}", None, headers)
+        return refuse(request.scope, exc.status_code, "http_error", str(exc.detail), None, headers)
 
 
 def _fallback_info(fallback) -> dict | None:
