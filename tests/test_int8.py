@@ -286,6 +286,23 @@ def test_int8_fast_path_gives_the_int8_references_bits(tiny_int8, labels, prefix
             assert [p.logprobs for p in fast] == [p.logprobs for p in ref], (decision, batch_size)  # bitwise
 
 
+@pytest.mark.parametrize("labels", [SINGLE, MULTI], ids=["single-token", "multi-token"])
+def test_int8_chunked_prefill_gives_the_int8_references_bits(tiny_int8, labels):
+    """Long items run chunk_tokens at a time, their keys carried over (chunked prefill): the same bits as one pass,
+    as the reference's, in the gated MLP's rows_only pass too, beside short items batched as usual."""
+    model, tok = tiny_int8
+    rng = random.Random(7 + len(labels))
+    texts = [make_text(rng, rng.choice([1, 17, 60, 130, 200])) for _ in range(12)]
+    task = Task(labels)
+    ref = ReferenceClassifier(model, tok, task).classify(texts)
+    for chunk in (32, 64):
+        engine = Engine(model, tok, task, EngineConfig(batch_size=7, chunk_tokens=chunk))
+        lengths = [len(ids) for ids in engine.encode(texts)[0]]
+        assert sum(n > chunk for n in lengths) >= 3 and any(n % chunk for n in lengths if n > chunk)
+        fast = engine.classify(texts)
+        assert [p.logprobs for p in fast] == [p.logprobs for p in ref], chunk  # bitwise
+
+
 def test_int8_truncate_tokens_gives_the_int8_references_bits(tiny_int8):
     """Texts cut to a task's truncate_tokens: the fast path still gives the int8 reference's bits."""
     model, tok = tiny_int8

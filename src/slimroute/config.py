@@ -28,6 +28,12 @@ class EngineConfig:
     # None: off. Applied after the decision, identically in the reference.
     min_prob: float | None = None
     fallback_label: str | None = None
+    # Chunked prefill: an item longer than this many tokens runs alone, in forward passes of this many of its tokens,
+    # its keys and values carried over from pass to pass, so no pass takes longer than about one batch's time and a
+    # caller stepping the engine (Engine.steps: the server) runs other requests in between. A multiple of the
+    # batch-invariant attention's tile (32); None: every item in one pass. The same bits as one pass where the
+    # attention is batch-invariant (int8); within the kernels' rounding elsewhere.
+    chunk_tokens: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
@@ -42,6 +48,10 @@ class EngineConfig:
             raise ValueError(f"recheck_margin must be >= 0 or None, got {self.recheck_margin!r}")
         if self.decision not in DECISIONS:
             raise ValueError(f"decision must be one of {', '.join(DECISIONS)}, got {self.decision!r}")
+        if self.chunk_tokens is not None and (not isinstance(self.chunk_tokens, int) or self.chunk_tokens < 32
+                                              or self.chunk_tokens % 32):
+            raise ValueError(f"chunk_tokens must be a multiple of 32 (the attention's tile), or None, got "
+                             f"{self.chunk_tokens!r}")
         if self.fallback_label is not None and self.min_prob is None:
             raise ValueError(f"fallback_label {self.fallback_label!r} needs min_prob (the floor it applies under)")
         _ = self.fallback  # builds the Fallback, which raises naming a bad min_prob or fallback_label

@@ -109,39 +109,56 @@ class Engine(Classifier):
             item_ids = [self.prompt.prefix_ids + ids for ids in item_ids]
         return item_ids, [truncated for _, truncated in fitted]
 
-    @torch.inference_mode()
     def classify(self, texts: list[str], progress=None, on_results=None) -> list[Prediction]:
         """Predictions in input order. Texts must be non-empty strings (see backends.local.classify_rows).
 
         progress(num_items) and on_results([(index, prediction), ...]) are called after each batch, so a caller (the
         server) can hand out answers before the last batch is done."""
+        results: list[Prediction | None] = [None] * len(texts)
+        for done in self.steps(texts, progress):
+            for i, prediction in done:
+                results[i] = prediction
+            if on_results and done:
+                on_results(done)
+        return results
+
+    @torch.inference_mode()
+    def steps(self, texts: list[str], progress=None) -> Iterator[list[tuple[int, Prediction]]]:
+        """classify(texts) one forward pass at a time: each step runs one batch, or one chunk of a long item
+        (config.chunk_tokens), and yields the [(index, prediction)] it finished (often none: decisions wait for a
+        shared scorer call). A caller can run other work between steps (the server interleaves requests so);
+        last_stats is set once the last step is taken. A failing batch hands out the batches before it first."""
         start = time.perf_counter()
         run = EngineStats(num_items=len(texts))
         item_ids, truncated = self.encode(texts)
         lengths = [len(ids) for ids in item_ids]
-        results: list[Prediction | None] = [None] * len(texts)
         waiting = _ScorerQueue(self._score_states)
 
-        def hand_out() -> None:  # the waiting batches' decisions, one scorer call for all of them
+        def hand_out() -> list[tuple[int, Prediction]]:  # the waiting batches' decisions, one scorer call for all
+            done = []
             for batch, token_logprobs in waiting.drain():
-                for i, lps in zip(batch, token_logprobs, strict=True):
-                    results[i] = self._decide(texts[i], lps, self._prompt_len(lengths[i]), truncated[i], run)
+                done += [(i, self._decide(texts[i], lps, self._prompt_len(lengths[i]), truncated[i], run))
+                         for i, lps in zip(batch, token_logprobs, strict=True)]
                 if progress:
                     progress(len(batch))
-                if on_results:
-                    on_results([(i, results[i]) for i in batch])
+            return done
 
-        for batch in self._batches(lengths):
+        for batch in self._plan(lengths):
             try:
-                rows, done = self._run_batch([item_ids[i] for i in batch])
+                if self._chunk_tokens is not None and lengths[batch[0]] > self._chunk_tokens:
+                    rows, done = yield from self._run_chunked(item_ids[batch[0]])
+                else:
+                    rows, done = self._run_batch([item_ids[i] for i in batch])
+            except GeneratorExit:
+                raise
             except BaseException:
-                hand_out()  # the batches before this one still hand out their answers (on_results) first
+                if finished := hand_out():  # the batches before this one still hand out their answers first
+                    yield finished
                 raise
             run.padding.add([lengths[i] for i in batch])
             run.num_batches += 1
-            if waiting.add(batch, rows, done):
-                hand_out()
-        hand_out()
+            yield hand_out() if waiting.add(batch, rows, done) else []
+        finished = hand_out()
         # the batches' activations leave the RSS once the call is done (not after each batch: the next batch would
         # fault every page back in)
         return_freed_memory()
@@ -149,7 +166,28 @@ class Engine(Classifier):
         run.seconds = time.perf_counter() - start
         self.last_stats = run
         self.stats.merge(run)
-        return results
+        yield finished
+
+    @property
+    def _chunk_tokens(self) -> int | None:
+        """config.chunk_tokens where chunked prefill applies: behind the prefix cache, without sliding windows (their
+        rows go one at a time already: _batches) and when only the last hidden state is read (a head's mean over an
+        item's tokens would add them in another order)."""
+        head = self.head
+        if not self.prefix or self._window is not None or (head is not None and (head.states != "last" or head.layers)):
+            return None
+        return self.config.chunk_tokens
+
+    def _plan(self, lengths: list[int]):
+        """The batches (_batches) of the items that fit in one chunk, then each longer item alone."""
+        chunk = self._chunk_tokens
+        if chunk is None:
+            yield from self._batches(lengths)
+            return
+        short = [i for i, n in enumerate(lengths) if n <= chunk]
+        for batch in self._batches([lengths[i] for i in short]):
+            yield [short[j] for j in batch]
+        yield from ([i] for i, n in enumerate(lengths) if n > chunk)
 
     def _batches(self, lengths: list[int]):
         """plan_batches, except that with a sliding-window layer (Gemma 2 and 3) the rows of a batch whose columns
@@ -203,13 +241,42 @@ class Engine(Classifier):
         gives token_logprobs[row][label][k] (with a head, its log-probs: one step per head label). The scorer call
         is the caller's, so one call can serve several small batches (classify)."""
         head = self.head
-        last, states, state = self._forward(seqs, head.states if head else "last", head.layers if head else ())
+        return self._to_score(*self._forward(seqs, head.states if head else "last", head.layers if head else ()))
+
+    def _run_chunked(self, seq: list[int]):
+        """_run_batch for one long item, chunk by chunk (_chunked_forward): a generator that yields [] after each
+        chunk but the last and returns (rows, done)."""
+        return self._to_score(*(yield from self._chunked_forward(seq)))
+
+    def _to_score(self, last, states, state):
+        head, batch = self.head, last.shape[0]
         if head is not None and not head.uses_label_logprobs:
             return None, lambda _: head.token_logprobs(states, None)
         rows = self._states_to_score(last, *state)
         if head is not None:
-            return rows, lambda lps: head.token_logprobs(states, self._by_label(lps, len(seqs)))
-        return rows, lambda lps: self._by_label(lps, len(seqs))
+            return rows, lambda lps: head.token_logprobs(states, self._by_label(lps, batch))
+        return rows, lambda lps: self._by_label(lps, batch)
+
+    def _chunked_forward(self, seq: list[int]):
+        """_forward for one item, config.chunk_tokens of its tokens a pass behind the prefix cache, each pass's keys
+        and values kept in the cache for the next (chunked prefill). A generator: yields [] after each pass but the
+        last, returns _forward's (last, views, (cache, mask, ends)). Each chunk starts a tile of the batch-invariant
+        attention's queries where one pass over the item has one (chunks are whole tiles), so the same bits."""
+        size, offset = self._chunk_tokens, self.prefix.length
+        cache = self.prefix.expand(1)
+        for start in range(0, len(seq), size):
+            chunk = torch.tensor([seq[start:start + size]], device=self.device)  # (1, C)
+            seen = offset + start + chunk.shape[1]
+            mask = torch.ones(1, seen, dtype=torch.long, device=self.device)
+            positions = offset + start + torch.arange(chunk.shape[1], device=self.device)[None]
+            last_row = torch.tensor([chunk.shape[1] - 1], device=self.device)  # the last layer's MLP: one row
+            with rows_only(self._last_mlp, last_row), segments():
+                out = self.model.base_model(input_ids=chunk, attention_mask=mask, position_ids=positions,
+                                            cache=cache, use_cache=True)
+            if start + size < len(seq):
+                yield []
+        last = out.last_hidden_state[:, -1]  # (1, H)
+        return last, last, (cache, mask, torch.tensor([seen], device=self.device))
 
     def _forward(self, seqs: list[list[int]], states: str = "last", layers: tuple[int, ...] = ()):
         """One pass over a right-padded batch behind the prefix: the final-norm hidden state at each item's
