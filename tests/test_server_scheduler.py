@@ -18,6 +18,7 @@ import pytest
 from test_server import LABELS, Probe
 from tiny import make_text, tiny_model
 
+from slimroute.config import EngineConfig
 from slimroute.engine.fast import Engine
 from slimroute.server import BatchSettings
 from slimroute.server.microbatch import MicroBatcher
@@ -234,3 +235,44 @@ def test_a_call_whose_requests_all_left_stops_between_steps(engine):
     assert not gone.future.done() and stepper.closed == [long_text]
     assert [e for e in log if e[1] == long_text] == [("step", long_text, 0)]
     check_exact(engine, ["still serving"], after.predictions)
+
+
+class StepLog:
+    """The real engine's steps (chunked prefill), each step logged with the texts of its call and held at the gate."""
+
+    def __init__(self, engine, gate: threading.Event):
+        self.engine, self.gate, self.log = engine, gate, []
+        self.entered = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def steps(self, texts, progress=None):
+        for done in self.engine.steps(texts, progress):
+            self.log.append((tuple(texts), [i for i, _ in done]))
+            self.entered.set()
+            if not self.gate.wait(20):
+                raise TimeoutError("gate never opened")
+            yield done
+
+
+def test_the_engines_chunked_prefill_lets_a_short_request_in_after_one_chunk_with_the_same_bits():
+    """One text of ~200 tokens runs in chunks of 32 (Engine.steps): a request that arrives meanwhile is answered
+    after one of its chunks, not after the whole text, and both answers are one classify call's (within fp32 rounding:
+    the chunks' attention adds in another order; int8's same bits: tests/test_int8.py)."""
+    model, tokenizer = tiny_model("qwen2")
+    plain = Engine(model, tokenizer, Task.from_labels(LABELS))
+    chunked = Engine(model, tokenizer, Task.from_labels(LABELS), EngineConfig(chunk_tokens=32))
+    rng = random.Random(5)
+    long_texts, short = [make_text(rng, 200)], [make_text(rng, 3)]
+    assert len(chunked.prompt.item_ids_batch(long_texts)[0]) > 4 * 32
+    gate = threading.Event()
+    stepper = StepLog(chunked, gate)
+    batcher = MicroBatcher({"default": stepper}, BatchSettings(preempt_tokens=32, max_wait_ms=0))
+    (long_result, short_result), order = run_scenario(batcher, stepper.entered, gate, long_texts, [short])
+    assert order == [1, 0]
+    calls = [texts for texts, _ in stepper.log]
+    assert calls[0] == tuple(long_texts) and calls[1] == tuple(short)  # one chunk of the long text, then the short
+    assert calls.count(tuple(long_texts)) >= 5  # the long text's chunks: the rest ran after the short request
+    check_exact(plain, long_texts, long_result.predictions)
+    check_exact(plain, short, short_result.predictions)

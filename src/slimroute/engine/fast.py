@@ -115,33 +115,39 @@ class Engine(Classifier):
         progress(num_items) and on_results([(index, prediction), ...]) are called after each batch, so a caller (the
         server) can hand out answers before the last batch is done."""
         results: list[Prediction | None] = [None] * len(texts)
-        for done in self.steps(texts, progress):
-            for i, prediction in done:
-                results[i] = prediction
-            if on_results and done:
-                on_results(done)
+        for groups in self._steps(texts, progress):
+            for done in groups:  # one batch's answers at a time, as soon as it is decided
+                for i, prediction in done:
+                    results[i] = prediction
+                if on_results:
+                    on_results(done)
         return results
 
-    @torch.inference_mode()
     def steps(self, texts: list[str], progress=None) -> Iterator[list[tuple[int, Prediction]]]:
         """classify(texts) one forward pass at a time: each step runs one batch, or one chunk of a long item
         (config.chunk_tokens), and yields the [(index, prediction)] it finished (often none: decisions wait for a
         shared scorer call). A caller can run other work between steps (the server interleaves requests so);
         last_stats is set once the last step is taken. A failing batch hands out the batches before it first."""
+        for groups in self._steps(texts, progress):
+            yield [answer for done in groups for answer in done]
+
+    @torch.inference_mode()
+    def _steps(self, texts: list[str], progress=None) -> Iterator[list[list[tuple[int, Prediction]]]]:
+        """steps(), each step's answers grouped by the batch they came from."""
         start = time.perf_counter()
         run = EngineStats(num_items=len(texts))
         item_ids, truncated = self.encode(texts)
         lengths = [len(ids) for ids in item_ids]
         waiting = _ScorerQueue(self._score_states)
 
-        def hand_out() -> list[tuple[int, Prediction]]:  # the waiting batches' decisions, one scorer call for all
-            done = []
+        def hand_out() -> list[list[tuple[int, Prediction]]]:  # the waiting batches' decisions, one scorer call
+            groups = []
             for batch, token_logprobs in waiting.drain():
-                done += [(i, self._decide(texts[i], lps, self._prompt_len(lengths[i]), truncated[i], run))
-                         for i, lps in zip(batch, token_logprobs, strict=True)]
+                groups.append([(i, self._decide(texts[i], lps, self._prompt_len(lengths[i]), truncated[i], run))
+                               for i, lps in zip(batch, token_logprobs, strict=True)])
                 if progress:
                     progress(len(batch))
-            return done
+            return groups
 
         for batch in self._plan(lengths):
             try:
