@@ -85,6 +85,28 @@ def test_an_id_with_a_lone_surrogate_is_422_before_the_model_runs(probed, body):
     assert grew(before, requests_by_status(url)) == {"422": 1}
 
 
+@pytest.mark.parametrize("body", [b'{"texts": ["refund", "crash"], "ids": [null, null]}',
+                                  b'{"texts": ["refund"], "ids": [true]}', b'{"text": "refund", "id": 1.5}',
+                                  b'{"text": "refund", "id": 9223372036854775808}'])
+def test_an_id_that_is_null_in_a_list_or_not_an_integer_is_422(probed, body):
+    """The schema's ids are strings or integers (a list item is never null; a one-text id may be null: no id)."""
+    url, probe = probed
+    calls = len(probe.calls)
+    response = httpx.post(f"{url}/v1/classify", content=body, headers=JSON)
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["field"] in ("id", "ids[0]")
+    assert len(probe.calls) == calls
+
+
+def test_an_integral_number_is_an_integer_id_as_json_schema_says(probed):
+    url, _ = probed
+    many = httpx.post(f"{url}/v1/classify", content=b'{"texts": ["refund", "crash"], "ids": [9472.0, -3.0]}',
+                      headers=JSON)
+    one = httpx.post(f"{url}/v1/classify", content=b'{"text": "refund", "id": 4992940763.0}', headers=JSON)
+    assert [r["id"] for r in many.json()["results"]] == [9472, -3]
+    assert one.json()["results"][0]["id"] == 4992940763
+
+
 def test_an_answer_that_cannot_be_encoded_is_a_500_and_counted_so(tiny):
     """Should an answer hold what JSON cannot carry (here a label with a lone surrogate, which no request can bring),
     the client gets 500 in the error shape, and the metrics count a 500, never a 200."""

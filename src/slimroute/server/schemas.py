@@ -41,20 +41,26 @@ def check_text(text: str) -> str:
     return text
 
 
-def check_id(value: Any) -> str | int | None:
-    if value is None:
-        return None
+def check_id(value: Any) -> str | int:
+    """A string of valid Unicode, or an integer in ID_RANGE; a number with an integral value (9472.0) is that integer,
+    as JSON Schema's "integer" says (its answer's id is 9472)."""
     if isinstance(value, str):
         _valid_unicode(value)
         return value
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
     if isinstance(value, int) and not isinstance(value, bool) and ID_RANGE[0] <= value <= ID_RANGE[1]:
         return value
     raise ValueError("an id is a string or an integer between -2^63 and 2^63-1")
 
 
+def check_optional_id(value: Any) -> str | int | None:
+    return None if value is None else check_id(value)
+
+
 _ID_SCHEMA = [{"type": "string"}, {"type": "integer", "minimum": ID_RANGE[0], "maximum": ID_RANGE[1]}]
 ItemId = Annotated[str | int, PlainValidator(check_id), WithJsonSchema({"anyOf": _ID_SCHEMA})]
-OptionalItemId = Annotated[str | int | None, PlainValidator(check_id),
+OptionalItemId = Annotated[str | int | None, PlainValidator(check_optional_id),
                            WithJsonSchema({"anyOf": [*_ID_SCHEMA, {"type": "null"}]})]
 
 
