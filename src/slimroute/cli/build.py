@@ -58,11 +58,11 @@ def task_and_head(labels, instructions, task_file, head_dir, examples=None, shot
 
 
 def engine_config(batch_size, max_batch_tokens, no_prefix_cache, no_sort, decision, max_padding=0.0,
-                  recheck_margin=None, min_prob=None, fallback_label=None) -> EngineConfig:
+                  recheck_margin=None, min_prob=None, fallback_label=None, chunk_tokens=None) -> EngineConfig:
     return EngineConfig(
         batch_size=batch_size, max_batch_tokens=max_batch_tokens or None, prefix_cache=not no_prefix_cache,
         sort=not no_sort, decision=decision, max_padding=max_padding or None, recheck_margin=recheck_margin or None,
-        min_prob=min_prob, fallback_label=fallback_label,
+        min_prob=min_prob, fallback_label=fallback_label, chunk_tokens=chunk_tokens or None,
     )
 
 

@@ -28,6 +28,10 @@ def serve(
         1024, "--preempt-tokens", help="While an engine call has more item tokens than this left to run, requests "
         "that arrive run between its steps (0: calls run one at a time)."
     ),
+    chunk_tokens: int = typer.Option(
+        256, "--chunk-tokens", help="A text longer than this runs alone in passes of this many tokens, other requests "
+        "running in between (a multiple of 32; 0: every text in one pass)."
+    ),
     decision: str = opt.DECISION,
     max_wait_ms: float = typer.Option(50.0, "--max-wait-ms", help="How long a batch waits for more requests."),
     max_queue: int = typer.Option(1024, "--max-queue", help="Texts waiting; beyond this: 503 + Retry-After."),
@@ -68,7 +72,7 @@ def serve(
         task_set = with_accuracy_options(task_set, examples, shots, text_column, label_column or "label", calibration,
                                          the_head, truncate_tokens)
         config = engine_config(batch_size, max_batch_tokens, False, False, decision, max_padding, recheck_margin,
-                               min_prob, fallback_label)
+                               min_prob, fallback_label, chunk_tokens)
         for served in task_set.tasks.values():
             check_fallback(config, the_head.labels if the_head else served.labels)
         choice = resolve_dtype(dtype, device)
