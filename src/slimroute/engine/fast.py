@@ -149,9 +149,10 @@ class Engine(Classifier):
                     progress(len(batch))
             return groups
 
-        for batch in self._plan(lengths):
+        chunk = self._chunk_tokens
+        for batch in self._plan(lengths, chunk):
             try:
-                if self._chunk_tokens is not None and lengths[batch[0]] > self._chunk_tokens:
+                if chunk is not None and lengths[batch[0]] > chunk:
                     rows, done = yield from self._run_chunked(item_ids[batch[0]])
                 else:
                     rows, done = self._run_batch([item_ids[i] for i in batch])
@@ -184,9 +185,8 @@ class Engine(Classifier):
             return None
         return self.config.chunk_tokens
 
-    def _plan(self, lengths: list[int]):
-        """The batches (_batches) of the items that fit in one chunk, then each longer item alone."""
-        chunk = self._chunk_tokens
+    def _plan(self, lengths: list[int], chunk: int | None):
+        """The batches (_batches) of the items that fit in one chunk (_chunk_tokens), then each longer item alone."""
         if chunk is None:
             yield from self._batches(lengths)
             return
