@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from test_head import random_head
 from test_output_head import q8_0
 from tiny import make_text, tiny_model
 from torch import nn
@@ -301,6 +302,28 @@ def test_int8_chunked_prefill_gives_the_int8_references_bits(tiny_int8, labels):
         assert sum(n > chunk for n in lengths) >= 3 and any(n % chunk for n in lengths if n > chunk)
         fast = engine.classify(texts)
         assert [p.logprobs for p in fast] == [p.logprobs for p in ref], chunk  # bitwise
+
+
+@pytest.mark.parametrize(("features", "label_logprobs", "layers"),
+                         [("mean", False, ()), ("hidden+mean", False, (1,)), ("hidden", True, (1,))],
+                         ids=["mean", "last+mean+layer", "last+label-logprobs+layer"])
+def test_int8_chunked_prefill_with_a_head_that_reads_every_token_gives_the_references_bits(
+        tiny_int8, features, label_logprobs, layers):
+    """A head's mean over an item's tokens (final or a middle layer's states) from the chunks put back together:
+    the same bits as the reference's one pass, so a served head keeps chunked prefill's fairness."""
+    model, tok = tiny_int8
+    task = Task(MULTI)
+    head = random_head(model, tok, task, features=features, with_label_logprobs=label_logprobs, layers=layers,
+                       seed=11)
+    rng = random.Random(13)
+    texts = [make_text(rng, rng.choice([1, 17, 60, 130, 200])) for _ in range(12)]
+    engine = Engine(model, tok, task, EngineConfig(batch_size=7, chunk_tokens=32), head=head)
+    lengths = [len(ids) for ids in engine.encode(texts)[0]]
+    assert engine._chunk_tokens == 32 and sum(n > 32 for n in lengths) >= 3
+    fast = engine.classify(texts)
+    ref = ReferenceClassifier(model, tok, task, head=head).classify(texts)
+    assert [p.label for p in fast] == [p.label for p in ref]
+    assert [p.logprobs for p in fast] == [p.logprobs for p in ref]  # bitwise
 
 
 def test_int8_truncate_tokens_gives_the_int8_references_bits(tiny_int8):

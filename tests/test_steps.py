@@ -4,6 +4,7 @@ import random
 
 import pytest
 import torch
+from test_head import random_head
 from tiny import make_text, tiny_model
 
 from slimroute.config import EngineConfig
@@ -48,6 +49,23 @@ def test_chunked_prefill_in_float32_is_within_the_kernels_rounding_of_one_pass(q
     diffs = [abs(a - b) for p, q in zip(chunked, whole, strict=True)
              for la, lb in zip(p.logprobs.values(), q.logprobs.values(), strict=True) for a, b in [(la, lb)]]
     assert max(diffs) < 1e-4
+
+
+@pytest.mark.parametrize(("features", "layers"), [("mean", ()), ("hidden+mean", (1,))])
+def test_a_head_that_reads_every_token_is_chunked_too_within_rounding_of_one_pass(qwen, features, layers):
+    model, tok = qwen
+    head = random_head(model, tok, TASK, features=features, layers=layers, seed=5)
+    texts = _texts(5)
+    chunked = Engine(model, tok, TASK, EngineConfig(batch_size=4, chunk_tokens=32), head=head)
+    lengths = [len(ids) for ids in chunked.encode(texts)[0]]
+    chunks = sum(-(-n // 32) for n in lengths if n > 32)
+    assert chunks > sum(n > 32 for n in lengths)  # several chunks per long item
+    steps = list(chunked.steps(texts))
+    assert len(steps) == chunks + -(-sum(n <= 32 for n in lengths) // 4) + 1  # a step per chunk, as without a head
+    got = dict(pair for done in steps for pair in done)
+    whole = Engine(model, tok, TASK, EngineConfig(batch_size=4), head=head).classify(texts)
+    assert [got[i].label for i in range(len(texts))] == [p.label for p in whole]
+    assert max(abs(got[i].logprobs[k] - p.logprobs[k]) for i, p in enumerate(whole) for k in p.logprobs) < 1e-4
 
 
 def test_a_failing_batch_hands_out_the_batches_before_it_first(qwen, monkeypatch):

@@ -177,11 +177,10 @@ class Engine(Classifier):
 
     @property
     def _chunk_tokens(self) -> int | None:
-        """config.chunk_tokens where chunked prefill applies: behind the prefix cache, without sliding windows (their
-        rows go one at a time already: _batches) and when only the last hidden state is read (a head's mean over an
-        item's tokens would add them in another order)."""
-        head = self.head
-        if not self.prefix or self._window is not None or (head is not None and (head.states != "last" or head.layers)):
+        """config.chunk_tokens where chunked prefill applies: behind the prefix cache and without sliding windows
+        (their rows go one at a time already: _batches). A head that reads every token of an item (a mean, a middle
+        layer) gets them from the chunks put back together (_chunked_forward)."""
+        if not self.prefix or self._window is not None:
             return None
         return self.config.chunk_tokens
 
@@ -252,7 +251,9 @@ class Engine(Classifier):
     def _run_chunked(self, seq: list[int]):
         """_run_batch for one long item, chunk by chunk (_chunked_forward): a generator that yields [] after each
         chunk but the last and returns (rows, done)."""
-        return self._to_score(*(yield from self._chunked_forward(seq)))
+        head = self.head
+        return self._to_score(*(yield from self._chunked_forward(seq, head.states if head else "last",
+                                                                 head.layers if head else ())))
 
     def _to_score(self, last, states, state):
         head, batch = self.head, last.shape[0]
@@ -263,26 +264,40 @@ class Engine(Classifier):
             return rows, lambda lps: head.token_logprobs(states, self._by_label(lps, batch))
         return rows, lambda lps: self._by_label(lps, batch)
 
-    def _chunked_forward(self, seq: list[int]):
+    def _chunked_forward(self, seq: list[int], states: str = "last", layers: tuple[int, ...] = ()):
         """_forward for one item, config.chunk_tokens of its tokens a pass behind the prefix cache, each pass's keys
         and values kept in the cache for the next (chunked prefill). A generator: yields [] after each pass but the
         last, returns _forward's (last, views, (cache, mask, ends)). Each chunk starts a tile of the batch-invariant
-        attention's queries where one pass over the item has one (chunks are whole tiles), so the same bits."""
+        attention's queries where one pass over the item has one (chunks are whole tiles), so the same bits. A head
+        that reads more than the last state gets each token's states from the chunks' outputs, put back into one
+        (1, L, H) tensor per layer: the contiguous slice one pass gives its mean (head.item_states)."""
         size, offset = self._chunk_tokens, self.prefix.length
+        every_token = states != "last" or bool(layers)
+        finals: list[torch.Tensor] = []
+        middles: list[list[torch.Tensor]] = [[] for _ in layers]
         cache = self.prefix.expand(1)
         for start in range(0, len(seq), size):
             chunk = torch.tensor([seq[start:start + size]], device=self.device)  # (1, C)
             seen = offset + start + chunk.shape[1]
             mask = torch.ones(1, seen, dtype=torch.long, device=self.device)
             positions = offset + start + torch.arange(chunk.shape[1], device=self.device)[None]
-            last_row = torch.tensor([chunk.shape[1] - 1], device=self.device)  # the last layer's MLP: one row
+            # the last layer's MLP: the chunk's last row only, unless the head reads every token
+            last_row = None if every_token else torch.tensor([chunk.shape[1] - 1], device=self.device)
             with rows_only(self._last_mlp, last_row), segments():
                 out = self.model.base_model(input_ids=chunk, attention_mask=mask, position_ids=positions,
-                                            cache=cache, use_cache=True)
+                                            cache=cache, use_cache=True, output_hidden_states=bool(layers))
+            if every_token:
+                finals.append(out.last_hidden_state)
+                for parts, k in zip(middles, layers, strict=True):
+                    parts.append(out.hidden_states[k])
             if start + size < len(seq):
                 yield []
         last = out.last_hidden_state[:, -1]  # (1, H)
-        return last, last, (cache, mask, torch.tensor([seen], device=self.device))
+        views = last
+        if every_token:
+            views = item_states(torch.cat(finals, dim=1), [len(seq) - 1], [len(seq)], states,
+                                tuple(torch.cat(parts, dim=1) for parts in middles))
+        return last, views, (cache, mask, torch.tensor([seen], device=self.device))
 
     def _forward(self, seqs: list[list[int]], states: str = "last", layers: tuple[int, ...] = ()):
         """One pass over a right-padded batch behind the prefix: the final-norm hidden state at each item's
