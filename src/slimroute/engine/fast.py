@@ -245,15 +245,18 @@ class Engine(Classifier):
         (None when nothing is, as with a head that does not use label log-probs); done(log-probs of those rows)
         gives token_logprobs[row][label][k] (with a head, its log-probs: one step per head label). The scorer call
         is the caller's, so one call can serve several small batches (classify)."""
-        head = self.head
-        return self._to_score(*self._forward(seqs, head.states if head else "last", head.layers if head else ()))
+        return self._to_score(*self._forward(seqs, *self._head_reads))
 
     def _run_chunked(self, seq: list[int]):
         """_run_batch for one long item, chunk by chunk (_chunked_forward): a generator that yields [] after each
         chunk but the last and returns (rows, done)."""
-        head = self.head
-        return self._to_score(*(yield from self._chunked_forward(seq, head.states if head else "last",
-                                                                 head.layers if head else ())))
+        return self._to_score(*(yield from self._chunked_forward(seq, *self._head_reads)))
+
+    @property
+    def _head_reads(self) -> tuple[str, tuple[int, ...]]:
+        """The item states (head.STATES) and decoder layers a forward pass must hand the head: the last state alone
+        without a head."""
+        return (self.head.states, self.head.layers) if self.head else ("last", ())
 
     def _to_score(self, last, states, state):
         head, batch = self.head, last.shape[0]
@@ -272,7 +275,7 @@ class Engine(Classifier):
         that reads more than the last state gets each token's states from the chunks' outputs, put back into one
         (1, L, H) tensor per layer: the contiguous slice one pass gives its mean (head.item_states)."""
         size, offset = self._chunk_tokens, self.prefix.length
-        every_token = states != "last" or bool(layers)
+        every_token = _every_token(states, layers)
         finals: list[torch.Tensor] = []
         middles: list[list[torch.Tensor]] = [[] for _ in layers]
         cache = self.prefix.expand(1)
@@ -315,7 +318,7 @@ class Engine(Classifier):
         # Only the last real tokens' final hidden states are read (unless the head averages states or reads
         # layers): the last layer's MLP runs on those rows alone (rows are independent; the cache, all the
         # label scorer needs besides, comes from the attention, which still sees every position)
-        last_rows = rows * width + lengths - 1 if states == "last" and not layers else None
+        last_rows = None if _every_token(states, layers) else rows * width + lengths - 1
         # without the prefix cache, the prefix and the item are one pass: their queries tiled as the cached
         # prefix's and the item's would be (attention.segments)
         passes = segments() if self.prefix else segments(len(self.prompt.prefix_ids))
@@ -326,7 +329,7 @@ class Engine(Classifier):
             )
         last = out.last_hidden_state[rows, lengths - 1]  # (B, H)
         views = last
-        if states != "last" or layers:  # the item's own tokens: without the prefix, cached or part of the sequence
+        if _every_token(states, layers):  # the item's own tokens: without the prefix, cached or part of the sequence
             skip = 0 if self.prefix else len(self.prompt.prefix_ids)
             ends = [len(seq) - 1 for seq in seqs]
             views = item_states(out.last_hidden_state, ends, [len(seq) - skip for seq in seqs], states,
@@ -427,6 +430,11 @@ class _ScorerQueue:
             n = 0 if batch_rows is None else batch_rows.shape[0]
             yield batch, done(None if scores is None or not n else scores[start:start + n])
             start += n
+
+
+def _every_token(states: str, layers: tuple[int, ...]) -> bool:
+    """Whether a head reading these states and layers needs every token's hidden states, not the last one's alone."""
+    return states != "last" or bool(layers)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
