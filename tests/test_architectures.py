@@ -24,6 +24,8 @@ from slimroute.runtime.dtypes import int8_kernels_available
 from slimroute.runtime.smoothing import smoothed_weight, smoothing_factors
 from slimroute.task import Example, Task, render_prompt
 
+pytestmark = pytest.mark.kernels  # rerun under each CPU kind: tests/cpu_kinds.py
+
 ARCHS = sorted(OTHER_ARCHS)
 LABELS = ("Technical Support", "Technical Sales", "billing", "account")  # shared first token, multi-token
 TEXTS = [make_text(random.Random(i), n) for i, n in enumerate((1, 5, 30, 90, 12, 3, 44, 8))]  # windows are 16

@@ -7,8 +7,10 @@ import torch
 from typer.testing import CliRunner
 
 from slimroute.cli import app
-from slimroute.runtime.cpu import CpuFeatures, cpuid, detect
-from slimroute.runtime.dtypes import UnsupportedDtypeError, choose_dtype, supported_dtypes
+from slimroute.runtime.cpu import KINDS, ONEDNN_CAPS, CpuFeatures, cpuid, detect
+from slimroute.runtime.dtypes import UnsupportedDtypeError, choose_dtype, exactness, supported_dtypes
+
+pytestmark = pytest.mark.kernels  # rerun under each CPU kind: tests/cpu_kinds.py
 
 ZEN5 = CpuFeatures("AMD EPYC (Zen 5)", frozenset(
     "avx2 fma avx512f avx512bw avx512vl avx512dq avx512_bf16 avx512_vnni".split()), "AVX512", "x86_64")
@@ -87,6 +89,45 @@ def test_cpuid_family_and_model_come_from_the_first_processor(tmp_path):
     assert cpuid(str(info)) == {"family": 25, "model_number": 1}
     info.write_text("processor\t: 0\nFeatures\t: fp asimd\nCPU implementer\t: 0x41\n")  # ARM: no such lines
     assert cpuid(str(info)) == {} and cpuid(str(tmp_path / "missing")) == {}
+
+
+def test_onednn_held_below_a_feature_hides_its_flags(monkeypatch):
+    """ONEDNN_MAX_CPU_ISA holds oneDNN below the CPU's ISA; slimroute's flags then follow what oneDNN may use, so
+    a Zen 4 held to AVX512_CORE_VNNI is an Ice Lake to slimroute (its bf16 emulated) and held to AVX2 a Zen 3.
+    fbgemm's AVX2 stays; an unknown value (oneDNN ignores it) holds nothing."""
+    monkeypatch.setenv("SLIMROUTE_CPU_FLAGS", " ".join(sorted(SAPPHIRE_RAPIDS.flags)))
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx512_core_vnni")
+    icelake = detect()
+    assert icelake.onednn_cap == "AVX512_CORE_VNNI" and "oneDNN held to AVX512_CORE_VNNI" in icelake.describe()
+    assert icelake.vnni and icelake.avx512 and icelake.emulated_bf16 and not (icelake.native_bf16 or icelake.amx)
+    assert choose_dtype("auto", icelake).reason == "VNNI without native BF16"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    zen3 = detect()
+    assert zen3.avx2 and not (zen3.avx512 or zen3.vnni or zen3.onednn_bf16)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
+    assert detect().amx and detect().onednn_cap is None  # holds nothing this CPU has
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "NOT_AN_ISA")
+    assert detect().flags == SAPPHIRE_RAPIDS.flags
+
+
+def test_every_cpu_kind_names_the_settings_that_hold_each_library_to_it():
+    assert [kind.name for kind in KINDS] == ["avx2", "avx512", "avx512-vnni", "avx512-bf16", "amx"]
+    for kind in KINDS:
+        settings = dict(kind.settings)
+        assert settings["ONEDNN_MAX_CPU_ISA"] in ONEDNN_CAPS and "ATEN_CPU_CAPABILITY" in settings
+        assert kind.fits(SAPPHIRE_RAPIDS)
+    assert [kind.name for kind in KINDS if kind.fits(ZEN5)] == ["avx2", "avx512", "avx512-vnni", "avx512-bf16"]
+    assert [kind.name for kind in KINDS if kind.fits(ZEN3)] == ["avx2"]
+    assert not any(kind.fits(ARM) for kind in KINDS)
+
+
+@pytest.mark.parametrize("cpu, dtype, bound, invariant", [
+    (ZEN5, "int8", 0.0, True), (ZEN5, "bfloat16", 1e-5, True), (SKYLAKE, "bfloat16", 1e-4, False),
+    (SAPPHIRE_RAPIDS, "bfloat16", None, False), (ZEN3, "float32", 1e-4, False)])
+def test_each_dtype_says_what_it_gives_against_its_reference_on_each_cpu(cpu, dtype, bound, invariant):
+    claim = exactness(dtype, cpu)
+    assert (claim.max_abs_logprob_diff, claim.invariant) == (bound, invariant)
+    assert claim.holds(bound or 0.0) and (bound is None or not claim.holds(bound * 2 + 1e-9))
 
 
 def test_flags_can_be_simulated(monkeypatch):

@@ -14,6 +14,8 @@ from slimroute.engine.fast import Engine
 from slimroute.engine.reference import ReferenceClassifier
 from slimroute.task import Example, Task
 
+pytestmark = pytest.mark.kernels  # rerun under each CPU kind: tests/cpu_kinds.py
+
 LABEL_SETS = {
     "single": ("billing", "technical", "account"),
     "multi": ("Technical Support", "Technical Sales", "billing", "account"),
@@ -158,13 +160,13 @@ def test_a_failing_batch_still_hands_out_the_answers_of_the_batches_before_it(ti
 
 
 def test_the_last_layers_mlp_runs_only_on_the_rows_read(tiny_qwen):
-    """Only the items' last tokens leave the last decoder layer's MLP (engine.rows_only): it sees B rows, not
+    """Only the items' last tokens leave the last decoder layer's MLP (passes.rows_only): it sees B rows, not
     B x L, the answers are those of the whole pass, and the hooks are gone afterwards."""
-    from slimroute.engine.fast import rows_only
+    from slimroute.engine.passes import rows_only
 
     model, tok = tiny_qwen
     engine = Engine(model, tok, Task(LABEL_SETS["multi"]), EngineConfig(batch_size=8))
-    mlp = engine._last_mlp
+    mlp = engine.passes.last_mlp
     assert mlp is model.base_model.layers[-1].mlp
     seen = []
     handle = mlp.register_forward_hook(lambda _, args, out: seen.append(args[0].shape))
@@ -178,7 +180,7 @@ def test_the_last_layers_mlp_runs_only_on_the_rows_read(tiny_qwen):
     assert sum(shape[1] for shape in pruned_calls) == len(texts) and len(pruned_calls) == engine.last_stats.num_batches
     assert all(shape[0] > 1 for shape in seen if shape[0] != 1)  # a continuation: every row (B x copies, n-1, H)
     assert not mlp._forward_hooks and not mlp._forward_pre_hooks
-    engine._last_mlp = None
+    engine.passes.last_mlp = None
     assert_equal(pruned, engine.classify(texts), tol=1e-5)
 
     x = torch.randn(2, 3, 4)

@@ -1,6 +1,5 @@
 """int8: the fast path gives the int8 reference's bits (batch invariance by construction), on tiny models."""
 
-import os
 import random
 
 import pytest
@@ -17,14 +16,16 @@ from slimroute.engine.reference import ReferenceClassifier
 from slimroute.runtime.attention import invariant_attention, set_attention
 from slimroute.runtime.cpu import detect
 from slimroute.runtime.dtypes import int8_kernels_available
+from slimroute.runtime.fused import fuse
 from slimroute.runtime.int8 import Int8Linear, _onednn_problem, int8_failure
+from slimroute.runtime.native import native
 from slimroute.runtime.output_head import RowBlockedLinear
 from slimroute.runtime.quantize import quantize_model
 from slimroute.task import Task
 
 CPU = detect()
-pytestmark = pytest.mark.skipif(not int8_kernels_available(CPU),
-                                reason=f"int8 needs x86 AVX2 and torch's fbgemm kernels; this is {CPU.describe()}")
+pytestmark = [pytest.mark.kernels, pytest.mark.skipif(not int8_kernels_available(CPU),
+                                reason=f"int8 needs x86 AVX2 and torch's fbgemm kernels; this is {CPU.describe()}")]
 
 SINGLE = ("billing", "technical", "account")
 MULTI = ("Technical Support", "Technical Sales", "billing", "account")  # shared first token, different lengths
@@ -37,22 +38,32 @@ needs_onednn_int8 = pytest.mark.skipif(bool(ONEDNN_INT8), reason=f"oneDNN's int8
                                        f"needs a VNNI: AVX-VNNI, AVX512-VNNI or AMX): {ONEDNN_INT8}")
 
 
-def int8_model(arch: str, kernel: str = "fbgemm", compiled: bool | None = None):
+NATIVE = native() is not None
+
+
+def int8_model(arch: str, kernel: str = "fbgemm", native: bool | None = None, fused: bool = True):
+    """A tiny model in int8 as load_model makes it: smoothed, quantised, the batch-invariant attention, and, where
+    slimroute's native kernels run (native None) and `fused`, its decoder fused (fused.fuse)."""
     model, tok = tiny_model(arch)
-    quantize_model(model, tokenizer=tok, kernel=kernel, compiled=compiled)  # with smoothing, as load_model does
+    quantize_model(model, tokenizer=tok, kernel=kernel, native=native)  # with smoothing, as load_model does
     assert set_attention(model) == "invariant"
+    if fused and native is not False and NATIVE:
+        assert fuse(model) is None
     return model, tok
 
 
 @pytest.fixture(scope="module", params=["qwen2", "llama", pytest.param("qwen2-onednn", marks=needs_onednn_int8),
-                                        "qwen2-eager"])
+                                        "qwen2-unfused", "qwen2-eager"])
 def tiny_int8(request):
-    """The tiny models in int8 as load_model makes them (the elementwise ops compiled where torch.compile works);
-    qwen2-onednn: through oneDNN's int8 kernel (AMX or VNNI where the CPU has them); qwen2-eager: the elementwise ops
-    eager, as where torch.compile does not work."""
+    """The tiny models in int8 as load_model makes them (the decoder fused where the native kernels run);
+    qwen2-onednn: through oneDNN's int8 kernel (AMX or VNNI where the CPU has them); qwen2-unfused: the model's own
+    modules with the native kernels (as for a layer form the fused decoder does not cover); qwen2-eager: torch ops
+    alone, as where the native kernels do not build."""
     arch, _, variant = request.param.partition("-")
     if variant == "eager":
-        return int8_model(arch, compiled=False)
+        return int8_model(arch, native=False)
+    if variant == "unfused":
+        return int8_model(arch, fused=False)
     return int8_model(arch, variant or "fbgemm")
 
 
@@ -548,97 +559,92 @@ def test_a_quantizer_feeds_only_its_own_kernel():
         Int8Linear.from_linear(nn.Linear(64, 8), RowQuantizer(kernel="onednn"), kernel="fbgemm")
 
 
-def test_compiled_elementwise_gives_each_row_the_bits_it_gets_alone():
-    """The fused (torch.compile) quantiser and MLP gate: a row's integers and scale do not depend on the rows
-    around it (odd sizes: the vector loops' tails too); the quantiser's are eager's bits, the gate's eager's up to
-    the last bits of silu."""
-    from slimroute.runtime.int8 import ACTIVATIONS, EAGER, Elementwise, elementwise
+needs_native = pytest.mark.skipif(not NATIVE, reason="slimroute's native kernels do not build here (see the note "
+                                  "logged by slimroute.runtime.native)")
 
-    if not elementwise().compiled:
-        pytest.skip("torch.compile does not work here (see the warning logged by slimroute.runtime.int8.elementwise)")
-    fused = Elementwise(compiled=True)
+
+@needs_native
+def test_native_elementwise_gives_each_row_the_bits_it_gets_alone():
+    """The native quantiser and MLP middle: a row's integers and scale do not depend on the rows around it (odd
+    sizes: the vector loops' tails too); the quantiser's are eager's bits, the gate's eager's up to the last bits of
+    silu (its own exp)."""
+    from slimroute.runtime.int8 import ACTIVATIONS, EAGER
+
+    kernels = native()
     generator = torch.Generator().manual_seed(4)
     gate, up = torch.randn(37, 72, generator=generator) * 3, torch.randn(37, 72, generator=generator)
     scale = torch.rand(37, 1, generator=generator) + 0.1
     with torch.inference_mode():
         for ints in ACTIVATIONS.values():
             shift = ints[1]
-            q, q_scale = fused.to_ints(gate, *ints)
+            q, q_scale = kernels.to_ints(gate, *ints)
             assert q.dtype == (torch.uint8 if shift else torch.float32)
             eager_q, eager_scale = EAGER.to_ints(gate, *ints)
             assert torch.equal(q, eager_q) and torch.equal(q_scale, eager_scale)
-            hidden, hidden_scale = fused.gated_to_ints(gate, up, scale, *ints)
+            hidden, hidden_scale = kernels.gated_to_ints(gate, up, scale, *ints)
             eager_hidden, eager_hidden_scale = EAGER.gated_to_ints(gate, up, scale, *ints)
             assert (hidden.float() - eager_hidden.float()).abs().max() <= 1
             assert torch.allclose(hidden_scale, eager_hidden_scale, rtol=1e-5)
             for rows in (slice(0, 1), slice(5, 6), slice(3, 10), slice(30, 37)):
-                alone, alone_scale = fused.gated_to_ints(gate[rows], up[rows], scale[rows], *ints)
+                alone, alone_scale = kernels.gated_to_ints(gate[rows], up[rows], scale[rows], *ints)
                 assert torch.equal(alone, hidden[rows]) and torch.equal(alone_scale, hidden_scale[rows])
-                alone, alone_scale = fused.to_ints(gate[rows], *ints)
+                alone, alone_scale = kernels.to_ints(gate[rows], *ints)
                 assert torch.equal(alone, q[rows]) and torch.equal(alone_scale, q_scale[rows])
 
 
-def test_int8_model_fuses_its_gated_mlps_only_when_compiled():
-    from slimroute.runtime.int8 import Int8GatedMLP, elementwise
+@pytest.mark.parametrize("native_kernels", [pytest.param(None, marks=needs_native), False])
+def test_int8_model_runs_a_gated_silu_mlp_as_one_gemm_and_its_other_layers_as_slices(native_kernels):
+    """q/k/v and gate/up become one GEMM each over their stacked weights (their columns: the same bits as the layers
+    alone); a gated SiLU MLP becomes an Int8GatedMLP computing what the model's own MLP computes on those layers."""
+    from slimroute.runtime.int8 import Int8GatedMLP, Int8Slice
 
-    if not elementwise().compiled:
-        pytest.skip("torch.compile does not work here (see the warning logged by slimroute.runtime.int8.elementwise)")
-    compiled, _ = int8_model("qwen2", compiled=True)
-    eager, _ = int8_model("qwen2", compiled=False)
-    layers = compiled.get_decoder().layers
+    model, _ = int8_model("qwen2", native=native_kernels, fused=False)
+    float_model, _ = tiny_model("qwen2")
+    layers = model.get_decoder().layers
     assert all(isinstance(layer.mlp, Int8GatedMLP) for layer in layers)
-    assert not any(isinstance(layer.mlp, Int8GatedMLP) for layer in eager.get_decoder().layers)
-    plain = eager.get_decoder().layers[0].mlp
+    attention = layers[0].self_attn
+    assert all(isinstance(getattr(attention, name), Int8Slice) for name in ("q_proj", "k_proj", "v_proj"))
+    assert attention.q_proj.stacked is attention.v_proj.stacked and attention.k_proj.start == attention.q_proj.end
+    plain = float_model.get_decoder().layers[0].mlp
     assert Int8GatedMLP.replaces(plain)
     plain.act_fn = nn.GELU()  # another activation: not what Int8GatedMLP computes
     assert not Int8GatedMLP.replaces(plain)
-    mlp, x = layers[0].mlp, torch.randn(2, 5, layers[0].mlp.gate_proj.in_features)
-    with torch.inference_mode():  # the model's own forward on the same int8 layers
-        unfused = mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
-        assert torch.allclose(mlp(x), unfused, rtol=1e-3, atol=1e-4)
+    mlp, x = layers[0].mlp, torch.randn(2, 5, layers[0].mlp.gate_up.in_features)
+    with torch.inference_mode():  # the model's own MLP arithmetic on the same int8 layers
+        q, scale = mlp.gate_up.quantizer(x)
+        both = mlp.gate_up.integer_product(q)
+        half = both.shape[1] // 2
+        unfused = mlp.down_proj(F.silu(both[:, :half] * scale) * (both[:, half:] * scale)).view(2, 5, -1)
+        if native_kernels is False:
+            assert torch.equal(mlp(x), unfused)
+        else:  # the native silu's exp is its own: within the last bits of an integer
+            assert torch.allclose(mlp(x), unfused, rtol=1e-2, atol=1e-3)
+    with torch.inference_mode():  # a slice is its layer: columns of the one GEMM, times the row scales, plus bias
+        h = torch.randn(3, attention.q_proj.in_features)
+        q, s = attention.q_proj.shared.linear.quantizer(h)
+        whole = attention.q_proj.stacked.integer_product(q)
+        k = attention.k_proj
+        assert torch.equal(k(h), whole[:, k.start:k.end] * s + k.bias)
 
 
-def test_compile_failure_falls_back_to_eager_with_a_note(monkeypatch, caplog):
-    """Where torch.compile fails (no C++ compiler, an unsupported platform), the int8 model runs its elementwise
-    ops eagerly, with one warning line; SLIMROUTE_COMPILE=0 asks for that without a warning."""
-    import slimroute.runtime.int8 as int8
+def test_native_failure_falls_back_to_eager_with_a_note(monkeypatch, caplog):
+    """Where the native kernels do not build (no C compiler, a failing probe), the int8 model runs its elementwise
+    ops as torch ops, with one warning line; SLIMROUTE_COMPILE=0 asks for that without a warning."""
+    import slimroute.runtime.native as native_module
+    from slimroute.runtime import int8
 
-    def broken(fn, **kwargs):
-        def call(*args):
-            raise RuntimeError("simulated: no C++ compiler found")
-        return call
+    def broken():
+        raise RuntimeError("no C compiler found (set CC, or install gcc)")
 
-    monkeypatch.setattr(int8, "_ELEMENTWISE", [])
-    monkeypatch.setattr(torch, "compile", broken)
-    with caplog.at_level("WARNING", logger="slimroute.runtime.int8"):
-        assert not int8.elementwise().compiled
-    assert "torch.compile does not work here (simulated: no C++ compiler found)" in caplog.text
+    monkeypatch.setattr(native_module, "_LOADED", [])
+    monkeypatch.setattr(native_module, "_load", broken)
+    with caplog.at_level("WARNING", logger="slimroute.runtime.native"):
+        assert int8.elementwise() is int8.EAGER
+    assert "native kernels do not run here (no C compiler found" in caplog.text
     assert len(caplog.records) == 1
     caplog.clear()
-    monkeypatch.setattr(int8, "_ELEMENTWISE", [])
+    monkeypatch.setattr(native_module, "_LOADED", [])
     monkeypatch.setenv("SLIMROUTE_COMPILE", "0")
-    with caplog.at_level("WARNING", logger="slimroute.runtime.int8"):
-        assert not int8.elementwise().compiled
+    with caplog.at_level("WARNING", logger="slimroute.runtime.native"):
+        assert int8.elementwise() is int8.EAGER
     assert not caplog.records
-
-
-def test_inductor_cache_is_kept_per_cpu_capability(monkeypatch, tmp_path):
-    """Inductor's cache key leaves the vector ISA out: kernels made for AVX-512 and read back with torch held to
-    AVX2 gave garbage. slimroute keeps one cache per capability, and leaves a cache folder the user chose alone."""
-    import slimroute.runtime.int8 as int8
-
-    monkeypatch.setenv("SLIMROUTE_CACHE", str(tmp_path))
-    for capability in ("AVX512", "AVX2"):
-        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda capability=capability: capability)
-        monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # set by the previous round
-        int8._use_inductor_cache_for_this_cpu()
-        folder = os.environ["TORCHINDUCTOR_CACHE_DIR"]
-        assert folder.startswith(str(tmp_path / "inductor")) and folder.endswith(capability.lower())
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # what torch sets when it first looks
-    int8._use_inductor_cache_for_this_cpu()
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp_path / "inductor"))
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
-    int8._use_inductor_cache_for_this_cpu()
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")

@@ -9,9 +9,12 @@ from torch import nn
 from slimroute.bench.limit import DECODER_GEMM, GemmCalls, Limit, profile_markdown, profile_ops, replay
 from slimroute.config import EngineConfig
 from slimroute.engine.fast import Engine
+from slimroute.runtime.fused import fused_decoder
 from slimroute.runtime.int8 import Int8Linear
 from slimroute.runtime.linear import OneDNNLinear, onednn_failure, set_linear_kernels
 from slimroute.task import Task
+
+pytestmark = pytest.mark.kernels  # rerun under each CPU kind: tests/cpu_kinds.py
 
 TASK = Task(["billing", "technical", "account"])
 TEXTS = ["refund my card please", "the app crashes at login", "reset password", "upgrade plan", "server error"]
@@ -36,23 +39,29 @@ def test_int8_gemms_recorded_one_per_linear_layer_per_pass_with_the_passes_rows(
         recorded = engine.classify(TEXTS)
     assert [p.logprobs for p in recorded] == [p.logprobs for p in plain]  # recording changes nothing
     layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
-    assert len(layers) == 2 * 7 and len(calls.layers) == len(layers)  # q k v o gate up down, no head
+    assert len(layers) == 2 * 4 and len(calls.layers) == len(layers)  # q/k/v stacked, o, gate/up stacked, down
     assert not any("integer_product" in layer.__dict__ for layer in layers)  # the class's method is back
-    # every pass runs each of a layer's 7 GEMMs once (the last layer's MLP on the scored rows alone: rows_only)
-    assert len(calls.calls) % 14 == 0
-    q_proj = model.model.layers[0].self_attn.q_proj
-    q_rows = [c.rows for c in calls.calls if c.gemm.__self__ is q_proj]
-    # the first pass of a batch runs its padded items: batch 2, items sorted by length, so rows = 2 x the longest
+    # every pass runs each of a layer's 4 GEMMs once (the last layer's MLP on the scored rows alone)
+    assert len(calls.calls) % 8 == 0
+    qkv = model.model.layers[0].self_attn.q_proj.stacked
+    q_rows = [c.rows for c in calls.calls if c.gemm.__self__ is qkv]
+    # the first pass of a batch (2, items sorted by length) runs the pair's tokens: packed where the decoder is
+    # fused (no padding), else padded to the longest
     lengths = sorted(len(ids) for ids in engine.encode(TEXTS)[0])
-    assert q_rows[0] in {2 * max(pair) for pair in zip(lengths[::2], lengths[1::2], strict=False)} | {lengths[-1]}
+    pairs = list(zip(lengths[::2], lengths[1::2], strict=False))
+    assert q_rows[0] in ({sum(pair) for pair in pairs} if fused_decoder(model) else {2 * max(pair) for pair in pairs}
+                         ) | {lengths[-1]}
     assert all(c.dtype == torch.uint8 or c.kernel == "fbgemm" for c in calls.calls)
 
     ran = []
     for i, call in enumerate(calls.calls):  # replay runs exactly the recorded GEMMs, on inputs of their shapes
         calls.calls[i] = type(call)(lambda x, g=call.gemm, r=call.rows: ran.append((g, r, tuple(x.shape))) or g(x),
-                                    call.rows, call.in_features, call.dtype, call.kernel)
-    assert replay(calls.calls) > 0
+                                    call.rows, call.in_features, call.dtype, call.kernel, call.out_features)
+    assert replay(calls.calls, passes=1) > 0
     assert [(r, s) for _, r, s in ran] == [(c.rows, (c.rows, c.in_features)) for c in calls.calls]
+    limit = Limit.of(len(TEXTS), 10.0, calls.calls)  # the best of 3 passes, and one large GEMM of theirs timed
+    assert limit.macs == sum(c.rows * c.in_features * c.out_features for c in calls.calls) > 0
+    assert limit.gemm_seconds > 0 and limit.large_rate > 0 and limit.efficiency == limit.rate / limit.large_rate
 
 
 @pytest.mark.parametrize("kernels", ["default", "onednn"])

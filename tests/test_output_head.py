@@ -7,6 +7,8 @@ from torch import nn
 from slimroute.runtime.linear import onednn_failure
 from slimroute.runtime.output_head import HEAD_CHUNK, RowBlockedLinear, compact_head, expand_head
 
+pytestmark = pytest.mark.kernels  # rerun under each CPU kind: tests/cpu_kinds.py
+
 
 @pytest.mark.parametrize("onednn", [False, True], ids=["torch", "onednn"])
 def test_row_blocked_head_rows_do_not_depend_on_the_batch(onednn):

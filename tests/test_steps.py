@@ -11,6 +11,8 @@ from slimroute.config import EngineConfig
 from slimroute.engine.fast import Engine
 from slimroute.task import Task
 
+pytestmark = pytest.mark.kernels  # rerun under each CPU kind: tests/cpu_kinds.py
+
 TASK = Task(("Technical Support", "Technical Sales", "billing", "account"))
 
 

@@ -2,9 +2,11 @@
 
 `GemmCalls` records every GEMM the decoder's linear layers run while an engine classifies (which layer, how many
 rows); `replay` runs those same GEMMs again, in the same order, on inputs of the same shapes and kinds, and times
-them alone. items / that time is the speed the run would have if everything around the GEMMs (norms, rotary
-embeddings, attention, quantising rows, copies, the label scorer, Python) took no time: the row's *share of the
-limit* is the GEMM time over the row's time. The output head / label scorer is not a decoder layer and stays out.
+them alone (the best of a few passes: the limit is what they do at their fastest). items / that time is the speed
+the run would have if everything around the GEMMs (norms, rotary embeddings, attention, quantising rows, copies, the
+label scorer, Python) took no time: the row's *share of the limit* is the GEMM time over the row's time. The output
+head / label scorer is not a decoder layer and stays out. `large_gemm_rate` measures how fast this CPU runs one large
+GEMM of the same kind (the model's widest layer on 2048 rows), so the decoder GEMMs' own rate has a yardstick.
 
 `profile_ops` runs a classifier under torch's profiler and gives the top ops by self time, with the decoder GEMMs'
 share from the same run (they are marked with a profiler range, DECODER_GEMM)."""
@@ -31,6 +33,11 @@ class GemmCall:
     in_features: int
     dtype: torch.dtype
     kernel: str  # "onednn" / "fbgemm" (int8, the integers as that kernel takes them) or "float"
+    out_features: int = 0
+
+    @property
+    def macs(self) -> int:
+        return self.rows * self.in_features * self.out_features
 
 
 class GemmCalls:
@@ -47,9 +54,10 @@ class GemmCalls:
     def __enter__(self) -> GemmCalls:
         for layer in self.layers:
             if isinstance(layer, Int8Linear):
-                layer.integer_product = self._recording(layer.integer_product, layer.in_features, layer.kernel)
+                layer.integer_product = self._recording(layer.integer_product, layer.in_features, layer.kernel,
+                                                        layer.out_features)
             else:
-                layer.forward = self._recording(layer.forward, layer.in_features, "float")
+                layer.forward = self._recording(layer.forward, layer.in_features, "float", layer.out_features)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -57,28 +65,49 @@ class GemmCalls:
             layer.__dict__.pop("integer_product", None)
             layer.__dict__.pop("forward", None)
 
-    def _recording(self, gemm, in_features: int, kernel: str):
+    def _recording(self, gemm, in_features: int, kernel: str, out_features: int):
         def recorded(x: torch.Tensor) -> torch.Tensor:
-            self.calls.append(GemmCall(gemm, x.numel() // in_features, in_features, x.dtype, kernel))
+            self.calls.append(GemmCall(gemm, x.numel() // in_features, in_features, x.dtype, kernel, out_features))
             with torch.profiler.record_function(DECODER_GEMM):
                 return gemm(x)
         return recorded
 
 
-def replay(calls: list[GemmCall]) -> float:
-    """Seconds the recorded GEMMs take alone, run again in their order (one pass; the inputs are made first, as
-    rows of one buffer per input width and kind, and their making is not timed). Integer GEMMs and float GEMMs
-    take the same time whatever the numbers in them."""
+def replay(calls: list[GemmCall], passes: int = 3) -> float:
+    """Seconds the recorded GEMMs take alone, run again in their order: the best of `passes` passes (a busy machine
+    slows some passes; the inputs are made first, as rows of one buffer per input width and kind, and their making
+    is not timed). Integer GEMMs and float GEMMs take the same time whatever the numbers in them."""
     buffers: dict[tuple, torch.Tensor] = {}
     for call in calls:
         key = (call.in_features, call.dtype, call.kernel)
         rows = max(call.rows, buffers[key].shape[0] if key in buffers else 0)
         buffers[key] = _inputs(rows, call.in_features, call.dtype, call.kernel)
+    best = float("inf")
     with torch.inference_mode():
-        start = time.perf_counter()
-        for call in calls:
-            call.gemm(buffers[(call.in_features, call.dtype, call.kernel)][:call.rows])
-        return time.perf_counter() - start
+        for _ in range(passes):
+            start = time.perf_counter()
+            for call in calls:
+                call.gemm(buffers[(call.in_features, call.dtype, call.kernel)][:call.rows])
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+LARGE_ROWS = 2048  # the rows of large_gemm_rate's GEMM: far past what blocking or threading leaves idle
+
+
+def large_gemm_rate(calls: list[GemmCall], passes: int = 5) -> float:
+    """Multiply-adds per second of one large GEMM of the recorded kind: the widest recorded layer (in x out) on
+    LARGE_ROWS rows, the best of `passes` calls: the yardstick for the decoder GEMMs' own rate."""
+    widest = max(calls, key=lambda call: call.in_features * call.out_features)
+    x = _inputs(LARGE_ROWS, widest.in_features, widest.dtype, widest.kernel)
+    best = float("inf")
+    with torch.inference_mode():
+        widest.gemm(x)
+        for _ in range(passes):
+            start = time.perf_counter()
+            widest.gemm(x)
+            best = min(best, time.perf_counter() - start)
+    return LARGE_ROWS * widest.in_features * widest.out_features / best
 
 
 def _inputs(rows: int, width: int, dtype: torch.dtype, kernel: str) -> torch.Tensor:
@@ -92,12 +121,31 @@ def _inputs(rows: int, width: int, dtype: torch.dtype, kernel: str) -> torch.Ten
 
 @dataclass(frozen=True)
 class Limit:
-    """A row's GEMM-only limit: its items, its own seconds, and the seconds its decoder GEMMs take alone."""
+    """A row's GEMM-only limit: its items, its own seconds, and the seconds its decoder GEMMs take alone; their
+    multiply-adds and, for a yardstick, one large GEMM's rate here (large_gemm_rate; 0: not measured)."""
 
     items: int
     row_seconds: float
     gemm_seconds: float
     num_gemms: int
+    macs: int = 0
+    large_rate: float = 0.0
+
+    @classmethod
+    def of(cls, items: int, row_seconds: float, calls: list[GemmCall]) -> Limit:
+        """The limit of a row that ran these GEMMs: replayed, and one large GEMM of their kind timed."""
+        return cls(items, row_seconds, replay(calls), len(calls), sum(call.macs for call in calls),
+                   large_gemm_rate(calls))
+
+    @property
+    def rate(self) -> float:
+        """The decoder GEMMs' multiply-adds per second, replayed."""
+        return self.macs / self.gemm_seconds
+
+    @property
+    def efficiency(self) -> float:
+        """Their rate as a share of one large GEMM's here."""
+        return self.rate / self.large_rate if self.large_rate else 0.0
 
     @property
     def items_per_s(self) -> float:
@@ -108,6 +156,11 @@ class Limit:
     def share(self) -> float:
         """The row's items/s as a share of the limit's (= GEMM seconds / row seconds)."""
         return self.gemm_seconds / self.row_seconds
+
+    def to_dict(self) -> dict:
+        return {"items_per_s": self.items_per_s, "share": self.share, "gemm_seconds": self.gemm_seconds,
+                "num_gemms": self.num_gemms, "macs": self.macs, "gemm_mac_per_s": self.rate,
+                "large_gemm_mac_per_s": self.large_rate, "gemm_efficiency": self.efficiency}
 
 
 def profile_ops(classifier, texts: list[str], top: int = 15) -> dict:

@@ -19,9 +19,10 @@ from rich.text import Text
 from slimroute.cli import options as opt
 from slimroute.cli import ui
 from slimroute.runtime.cpu import cpuid, detect
-from slimroute.runtime.dtypes import choose_dtype, missing_feature, supported_dtypes
+from slimroute.runtime.dtypes import choose_dtype, exactness, missing_feature, supported_dtypes
 from slimroute.runtime.int8 import activation_bits, pick_kernel
 from slimroute.runtime.linear import onednn_failure
+from slimroute.runtime.native import native
 from slimroute.runtime.packaged import PACKAGED_MODELS, packaged_status
 from slimroute.runtime.paths import cache_dir
 from slimroute.runtime.threads import physical_cores
@@ -43,11 +44,13 @@ def machine_facts(device: str = "cpu") -> dict:
         "versions": {"slimroute": version("slimroute"), "python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__},
         "cpu": {"model": cpu.model, **cpuid(), "machine": cpu.machine, "torch_capability": cpu.capability,
-                "flags": [flag for flag in CPU_FLAGS if flag in cpu.flags], "physical_cores": physical_cores(),
+                "flags": [flag for flag in CPU_FLAGS if flag in cpu.flags], "onednn_held_to": cpu.onednn_cap,
+                "physical_cores": physical_cores(),
                 "logical_cpus": os.cpu_count()},
         "device": device,
         "dtype_auto": {"name": choice.name, "reason": choice.reason},
         "dtypes": {name: "works" if name in works else missing_feature(name, cpu, device) for name in DTYPES},
+        "exactness": {name: str(exactness(name, cpu, device)) for name in DTYPES if name in works},
         "kernels": _kernels(works) if torch.device(device).type == "cpu" else {},
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "cache": str(cache_dir()),
@@ -65,7 +68,9 @@ def _kernels(works: list[str]) -> dict[str, str]:
             kernels[name] = f"torch's default kernels (oneDNN's failed: {failure})" if failure else "oneDNN, packed"
     if "int8" in works:
         kernel = pick_kernel()
-        kernels["int8"] = f"{kernel}'s integer GEMMs, {activation_bits(kernel)}-bit activations"
+        between = ("slimroute's native kernels between them" if native() is not None else
+                   "torch ops between them (the native kernels do not build here)")
+        kernels["int8"] = f"{kernel}'s integer GEMMs, {activation_bits(kernel)}-bit activations, {between}"
     return kernels
 
 
@@ -86,12 +91,16 @@ def info(
     table.add_row("slimroute", "  ".join(f"{k} {v}" for k, v in facts["versions"].items()))
     cpuid = f"family {cpu['family']} model {cpu['model_number']}, " if "family" in cpu else ""
     table.add_row("CPU", f"{cpu['model']} ({cpuid}{cpu['machine']}; torch sees {cpu['torch_capability']})")
-    table.add_row("CPU flags", ", ".join(cpu["flags"]) or "none of AVX2 / AVX-512 / VNNI / AMX")
+    cap = cpu["onednn_held_to"]
+    held = f" (oneDNN held to {cap}: the flags above it are left out)" if cap else ""
+    table.add_row("CPU flags", (", ".join(cpu["flags"]) or "none of AVX2 / AVX-512 / VNNI / AMX") + held)
     table.add_row("cores", f"{cpu['physical_cores']} physical ({cpu['logical_cpus']} logical): the default --threads")
     table.add_row("--dtype auto", f"{auto['name']} ({auto['reason']})")
     for name, state in facts["dtypes"].items():
         kernel = facts["kernels"].get(name)
-        table.add_row(f"  {name}", f"works: {kernel}" if state == "works" and kernel else state)
+        works = f"works: {kernel}" if kernel else "works"
+        table.add_row(f"  {name}", f"{works}; against its reference: {facts['exactness'][name]}" if state == "works"
+                      else state)
     table.add_row("GPU", facts["cuda"] or "none that torch sees (--device cuda needs one)")
     table.add_row("cache", facts["cache"])
     for name, status in facts["models"].items():

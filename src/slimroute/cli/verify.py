@@ -21,6 +21,7 @@ from slimroute.cli.build import (
     task_and_head,
 )
 from slimroute.engine.verify import compare
+from slimroute.runtime.dtypes import exactness
 from slimroute.runtime.packaged import ModelNotFoundError
 
 
@@ -65,7 +66,11 @@ def verify(
         fast_preds = fast.with_calibration(offsets).redecide(texts, fast_preds)
         ref_preds = ref.with_calibration(offsets).redecide(texts, ref_preds)
     result = compare([r.id for r in rows], ref_preds, fast_preds)
-    record = {**result.to_dict(), "reference_s": ref_s, "fast_s": fast_s, "dtype": loaded.precision,
+    expected = exactness(loaded.precision, device=str(loaded.device))
+    record = {**result.to_dict(), "expected": {"max_abs_logprob_diff": expected.max_abs_logprob_diff,
+                                               "invariant": expected.invariant, "why": expected.why},
+              "within_expected": expected.holds(result.max_abs_logprob_diff), "reference_s": ref_s, "fast_s": fast_s,
+              "dtype": loaded.precision,
               "dtype_reason": loaded.precision_reason, "model": model, "padding_overhead": fast.stats.padding.overhead,
               "head": str(head) if head else None, "prefix_tokens": len(fast.prompt.prefix_ids),
               "truncate_tokens": the_task.truncate_tokens,
@@ -77,6 +82,7 @@ def verify(
         f"max |Δ log-prob| {result.max_abs_logprob_diff:.2e}; reference {ref_s:.1f}s, fast {fast_s:.1f}s "
         f"({ref_s / max(fast_s, 1e-9):.1f}x)"
     )
+    ui.console.print(f"what {loaded.precision} gives here: {expected}", markup=False)
     if result.disagreeing_ids:
         ui.console.print(f"[red]disagreeing ids:[/] {', '.join(result.disagreeing_ids[:50])}")
     if json_out:

@@ -1,18 +1,18 @@
 """Engine.classify(texts): the one hot loop. No logging, HTTP or Ray in here.
 
-Per batch: right-padded item ids run after an expanded copy of the prefix cache (positions continue after the prefix),
-the hidden state at each item's last real token (the last layer's MLP runs on those rows alone: rows_only) is scored
-against the label tokens' head rows, and the multi-token labels' continuations in extra batched passes behind the
-batch's cache, which they leave unchanged (labels share a pass, each on its own copy of the batch's rows). With a tuned
-head that same hidden state goes through the head instead; `features` hands the head's inputs out for tuning. The
-decision (offsets, rule, floor) is the TaskSetup's, exactly as in the reference.
+Per batch: right-padded item ids run behind the cached prompt prefix (positions continue after it), the hidden state
+at each item's last real token (the last layer's MLP runs on those rows alone) is scored against the label tokens'
+head rows, and the multi-token labels' continuations in extra batched passes behind the batch's keys, which they leave
+unchanged (labels share a pass, each on its own copy of the batch's rows). With a tuned head that same hidden state
+goes through the head instead; `features` hands the head's inputs out for tuning. The decision (offsets, rule, floor)
+is the TaskSetup's, exactly as in the reference. The forward passes themselves are passes.py's (the model's own
+forward, or its fused int8 decoder).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -20,12 +20,12 @@ import torch
 from slimroute.accuracy.head import head_features, item_states, label_totals
 from slimroute.config import EngineConfig
 from slimroute.engine.batching import PaddingStats, pad_right, plan_batches
-from slimroute.engine.prefix_cache import PrefixCache, continue_cache, new_cache, smallest_window
+from slimroute.engine.passes import passes_for
+from slimroute.engine.prefix_cache import smallest_window
 from slimroute.engine.reference import ReferenceClassifier
 from slimroute.engine.scoring import LabelScorer, check_scorer
 from slimroute.engine.setup import Classifier, TaskSetup
 from slimroute.labels import Prediction, continuation_runs
-from slimroute.runtime.attention import segments
 from slimroute.runtime.memory import return_freed_memory
 from slimroute.runtime.threads import warm_up_vector_math
 from slimroute.task import Task
@@ -76,10 +76,8 @@ class Engine(Classifier):
                                   model.config)
         warm_up_vector_math()  # a model built without load_model: its first pass must round like every later one
         check_scorer(model, self.scorer, self.prompt.prefix_ids[-8:] or [self.pad_id])
-        self.prefix = PrefixCache(model, self.prompt.prefix_ids) if config.prefix_cache else None
+        self.passes = passes_for(model, self.prompt.prefix_ids if config.prefix_cache else None)
         self._window = smallest_window(model.config)  # None: no sliding-window layer
-        layers = decoder_layers(model)
-        self._last_mlp = getattr(layers[-1], "mlp", None) if layers else None
         self.stats = EngineStats()  # totals over the engine's life
         self.last_stats = EngineStats()  # the last classify call's
         self._given_recheck = recheck
@@ -176,6 +174,11 @@ class Engine(Classifier):
         yield finished
 
     @property
+    def prefix(self):
+        """The cached prompt prefix (its `length`), or None without the prefix cache."""
+        return self.passes.prefix
+
+    @property
     def _chunk_tokens(self) -> int | None:
         """config.chunk_tokens where chunked prefill applies: behind the prefix cache and without sliding windows
         (their rows go one at a time already: _batches). A head that reads every token of an item (a mean, a middle
@@ -230,7 +233,7 @@ class Engine(Classifier):
         rows: list[torch.Tensor | None] = [None] * len(texts)
         for batch in self._batches(lengths):
             last, views, state = self._forward([item_ids[i] for i in batch], states, layers)  # (B, H), (B, F')
-            label_lps = label_totals(self._token_logprobs(last, *state)) if with_label_logprobs else None
+            label_lps = label_totals(self._token_logprobs(last, state)) if with_label_logprobs else None
             for i, row in zip(batch, head_features(views, label_lps), strict=True):  # (B, F)
                 rows[i] = row
             if progress:
@@ -262,83 +265,58 @@ class Engine(Classifier):
         head, batch = self.head, last.shape[0]
         if head is not None and not head.uses_label_logprobs:
             return None, lambda _: head.token_logprobs(states, None)
-        rows = self._states_to_score(last, *state)
+        rows = self._states_to_score(last, state)
         if head is not None:
             return rows, lambda lps: head.token_logprobs(states, self._by_label(lps, batch))
         return rows, lambda lps: self._by_label(lps, batch)
 
     def _chunked_forward(self, seq: list[int], states: str = "last", layers: tuple[int, ...] = ()):
         """_forward for one item, config.chunk_tokens of its tokens a pass behind the prefix cache, each pass's keys
-        and values kept in the cache for the next (chunked prefill). A generator: yields [] after each pass but the
-        last, returns _forward's (last, views, (cache, mask, ends)). Each chunk starts a tile of the batch-invariant
-        attention's queries where one pass over the item has one (chunks are whole tiles), so the same bits. A head
-        that reads more than the last state gets each token's states from the chunks' outputs, put back into one
-        (1, L, H) tensor per layer: the contiguous slice one pass gives its mean (head.item_states)."""
-        size, offset = self._chunk_tokens, self.prefix.length
-        every_token = _every_token(states, layers)
+        and values kept for the next (chunked prefill). A generator: yields [] after each pass but the last, returns
+        _forward's (last, views, state). Each chunk starts a tile of the batch-invariant attention's queries where
+        one pass over the item has one (chunks are whole tiles), so the same bits. A head that reads more than the
+        last state gets each token's states from the chunks' outputs, put back into one (1, L, H) tensor per layer:
+        the contiguous slice one pass gives its mean (head.item_states)."""
+        size, every_token = self._chunk_tokens, _every_token(states, layers)
         finals: list[torch.Tensor] = []
         middles: list[list[torch.Tensor]] = [[] for _ in layers]
-        cache = self.prefix.expand(1)
+        state = None
         for start in range(0, len(seq), size):
             chunk = torch.tensor([seq[start:start + size]], device=self.device)  # (1, C)
-            seen = offset + start + chunk.shape[1]
-            mask = torch.ones(1, seen, dtype=torch.long, device=self.device)
-            positions = offset + start + torch.arange(chunk.shape[1], device=self.device)[None]
-            # the last layer's MLP: the chunk's last row only, unless the head reads every token
-            last_row = None if every_token else torch.tensor([chunk.shape[1] - 1], device=self.device)
-            with rows_only(self._last_mlp, last_row), segments():
-                out = self.model.base_model(input_ids=chunk, attention_mask=mask, position_ids=positions,
-                                            cache=cache, use_cache=True, output_hidden_states=bool(layers))
+            out = self.passes.chunk(state, chunk, start, len(seq), every_token, layers)
+            state = out.state
             if every_token:
-                finals.append(out.last_hidden_state)
-                for parts, k in zip(middles, layers, strict=True):
-                    parts.append(out.hidden_states[k])
+                finals.append(out.final)
+                for parts, hidden in zip(middles, out.layers, strict=True):
+                    parts.append(hidden)
             if start + size < len(seq):
                 yield []
-        last = out.last_hidden_state[:, -1]  # (1, H)
-        views = last
+        views = out.last
         if every_token:
             views = item_states(torch.cat(finals, dim=1), [len(seq) - 1], [len(seq)], states,
                                 tuple(torch.cat(parts, dim=1) for parts in middles))
-        return last, views, (cache, mask, torch.tensor([seen], device=self.device))
+        return out.last, views, state
 
     def _forward(self, seqs: list[list[int]], states: str = "last", layers: tuple[int, ...] = ()):
         """One pass over a right-padded batch behind the prefix: the final-norm hidden state at each item's
         last real token (B, H), the head's item states (head.item_states: that, the mean over the item's
-        tokens, or both, then the means of `layers`) and (cache, mask, ends) for the label scorer."""
+        tokens, or both, then the means of `layers`) and the pass's state for the label scorer's continuations."""
         input_ids, item_mask, lengths = pad_right(seqs, self.pad_id)  # (B, L), (B, L), (B,)
         input_ids, item_mask, lengths = input_ids.to(self.device), item_mask.to(self.device), lengths.to(self.device)
-        batch, width = input_ids.shape
-        offset = self.prefix.length if self.prefix else 0
-        cache = self.prefix.expand(batch) if self.prefix else new_cache(self.model.config)
-        prefix_mask = torch.ones(batch, offset, dtype=item_mask.dtype, device=self.device)
-        mask = torch.cat([prefix_mask, item_mask], dim=1)  # (B, P + L)
-        positions = offset + torch.arange(width, device=self.device).expand(batch, -1)  # (B, L)
-        rows = torch.arange(batch, device=self.device)
-        # Only the last real tokens' final hidden states are read (unless the head averages states or reads
-        # layers): the last layer's MLP runs on those rows alone (rows are independent; the cache, all the
-        # label scorer needs besides, comes from the attention, which still sees every position)
-        last_rows = None if _every_token(states, layers) else rows * width + lengths - 1
-        # without the prefix cache, the prefix and the item are one pass: their queries tiled as the cached
-        # prefix's and the item's would be (attention.segments)
-        passes = segments() if self.prefix else segments(len(self.prompt.prefix_ids))
-        with rows_only(self._last_mlp, last_rows), passes:
-            out = self.model.base_model(
-                input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                cache=cache, use_cache=True, output_hidden_states=bool(layers),
-            )
-        last = out.last_hidden_state[rows, lengths - 1]  # (B, H)
-        views = last
-        if _every_token(states, layers):  # the item's own tokens: without the prefix, cached or part of the sequence
-            skip = 0 if self.prefix else len(self.prompt.prefix_ids)
+        every_token = _every_token(states, layers)
+        # without the prefix cache, the prefix is part of each sequence (the attention tiles its queries afresh
+        # where the item starts, as a cached prefix's pass would: attention.segments)
+        skip = 0 if self.prefix else len(self.prompt.prefix_ids)
+        out = self.passes.batch(input_ids, item_mask, lengths, every_token, layers, skip)
+        views = out.last
+        if every_token:  # the item's own tokens: without the prefix, cached or part of the sequence
             ends = [len(seq) - 1 for seq in seqs]
-            views = item_states(out.last_hidden_state, ends, [len(seq) - skip for seq in seqs], states,
-                                tuple(out.hidden_states[k] for k in layers))
-        return last, views, (cache, mask, lengths + offset)
+            views = item_states(out.final, ends, [len(seq) - skip for seq in seqs], states, out.layers)
+        return out.last, views, out.state
 
-    def _token_logprobs(self, last, cache, mask, ends) -> list[list[list[float]]]:
-        """token_logprobs[row][label][k] from the batch's last hidden states (B, H) and its cache."""
-        return self._by_label(self._score_states(self._states_to_score(last, cache, mask, ends)), last.shape[0])
+    def _token_logprobs(self, last, state) -> list[list[list[float]]]:
+        """token_logprobs[row][label][k] from the batch's last hidden states (B, H) and its pass's state."""
+        return self._by_label(self._score_states(self._states_to_score(last, state)), last.shape[0])
 
     def _score_states(self, rows: torch.Tensor) -> torch.Tensor:
         """The label tokens' log-probs (N, K) after each hidden state in rows (N, H), SCORER_ROWS at a time."""
@@ -346,15 +324,14 @@ class Engine(Classifier):
             return self.scorer.logprobs(rows)
         return torch.cat([self.scorer.logprobs(rows[i:i + SCORER_ROWS]) for i in range(0, rows.shape[0], SCORER_ROWS)])
 
-    def _states_to_score(self, last, cache, mask, ends) -> torch.Tensor:
+    def _states_to_score(self, last, state) -> torch.Tensor:
         """The hidden states whose next-token log-probs score the labels: the items' last ones (B, H), then, for
         each context of a multi-token label (a proper prefix of its tokens; labels.trie_paths) in turn, those after
-        feeding it behind each item (B, H) each."""
+        feeding it behind each item (B, H) each (passes.continuation: each run on its own copy of the rows)."""
         states: dict[int, torch.Tensor] = {}
-        shared: list = []  # the batch cache as every continuation pass reads it (prefix_cache.continue_cache)
-        for group in self._continuation_groups(last.shape[0], mask.shape[1]):
-            states.update(zip(group, self._continuation(cache, mask, ends, [self._runs[r] for r in group], shared),
-                              strict=True))
+        for group in self._continuation_groups(last.shape[0], state.num_keys):
+            runs = [self._runs[r] for r in group]
+            states.update(zip(group, self.passes.continuation(state, runs, self.pad_id), strict=True))
         if not states:
             return last
         return torch.cat([last, *(states[run][:, k] for run, k in self._context_states)])
@@ -379,29 +356,6 @@ class Engine(Classifier):
                  + [values[batch * (1 + context[ids[:k]]) + row][col[ids[k]]] for k in range(1, len(ids))]
                  for ids in self.label_ids]
                 for row in range(batch)]
-
-    def _continuation(self, cache, mask, ends, runs: list[tuple[int, ...]], shared: list | None = None
-                      ) -> list[torch.Tensor]:
-        """For each run of tokens, the final hidden states (B, n, H) after each of its tokens, fed behind each item,
-        in one pass: each run gets its own copy of the batch's rows (right-padded to the longest run), so each
-        row sees what the run's own pass would show it (its keys in the same order, its queries in the same
-        tiles: attention.segments). The batch cache is left unchanged."""
-        batch, copies = mask.shape[0], len(runs)
-        steps = max(len(run) for run in runs)
-        tokens = torch.full((copies, batch, steps), self.pad_id, device=self.device)
-        fed = torch.zeros(copies, batch, steps, dtype=mask.dtype, device=self.device)
-        for j, run in enumerate(runs):
-            tokens[j, :, :len(run)] = torch.tensor(run, device=self.device)
-            fed[j, :, :len(run)] = 1
-        positions = (ends[:, None] + torch.arange(steps, device=self.device)).repeat(copies, 1)  # (C * B, steps)
-        mask = torch.cat([mask.repeat(copies, 1), fed.view(copies * batch, steps)], dim=1)
-        with segments(continuation=0):  # every query of this pass continues a label (attention.segments)
-            out = self.model.base_model(
-                input_ids=tokens.view(copies * batch, steps), attention_mask=mask, position_ids=positions,
-                cache=continue_cache(cache, self.model.config, copies, shared), use_cache=True,
-            )
-        hidden = out.last_hidden_state.view(copies, batch, steps, -1)
-        return [hidden[j, :, :len(run)] for j, run in enumerate(runs)]
 
 
 class _ScorerQueue:
@@ -435,44 +389,3 @@ class _ScorerQueue:
 def _every_token(states: str, layers: tuple[int, ...]) -> bool:
     """Whether a head reading these states and layers needs every token's hidden states, not the last one's alone."""
     return states != "last" or bool(layers)
-
-
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's transformer blocks: its first ModuleList (`model.layers` in Qwen2, Llama, Mistral...); [] if none."""
-    return next((list(m) for m in model.modules() if isinstance(m, torch.nn.ModuleList)), [])
-
-
-@contextmanager
-def rows_only(module: torch.nn.Module | None, index: torch.Tensor | None):
-    """While inside, module (a row-wise one: an MLP) runs only on the rows `index` of its flattened (..., H)
-    input; the other rows of its output are zeros. Nothing changes when module or index is None. The hooks are
-    the module's while inside, so one forward pass at a time per model (as the server's one worker thread runs
-    them; int8's row quantisers already ask for that)."""
-    if module is None or index is None:
-        yield
-        return
-    shape: list[torch.Size | None] = []
-
-    def take(_, args):
-        if len(args) != 1 or not isinstance(args[0], torch.Tensor):  # called another way: left whole
-            shape.append(None)
-            return None
-        x = args[0]
-        shape.append(x.shape)
-        rows = x.reshape(-1, x.shape[-1]).index_select(0, index)
-        return (rows.view(*[1] * (x.dim() - 2), *rows.shape),)  # as many dimensions as before (an MoE block's 3)
-
-    def put(_, args, out):
-        if (whole := shape.pop()) is None:
-            return None
-        rows = out[0] if isinstance(out, tuple) else out  # an MoE block's (hidden states, router logits)
-        full = rows.new_zeros(*whole[:-1], rows.shape[-1])
-        full.view(-1, rows.shape[-1]).index_copy_(0, index, rows.reshape(-1, rows.shape[-1]))
-        return (full, *out[1:]) if isinstance(out, tuple) else full
-
-    handles = (module.register_forward_pre_hook(take), module.register_forward_hook(put))
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()

@@ -47,6 +47,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from slimroute.runtime.int8 import Int8Linear
 
 NAME = "slimroute_invariant"
+NATIVE = "slimroute_native"  # an attention module carrying native.Native here runs the native kernel (fused.fuse)
+FUSED = "slimroute_fused"  # where fused.fuse keeps a model's FusedDecoder
 ATTENTION = ("auto", "eager", "sdpa", "invariant")  # the choices of --attention / load_model(attention=)
 TILE = 32  # key positions per tile, and query positions per tile but in a label's continuation
 CONTINUATION_TILE = 1  # query positions per tile in a label's continuation
@@ -86,6 +88,8 @@ def invariant_attention(module, query, key, value, attention_mask, scaling, drop
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError("the batch-invariant attention has no attention sinks (s_aux); load this model "
                                   "with --dtype float32 or bfloat16")
+    if (kernels := getattr(module, NATIVE, None)) is not None:  # a fused model's: the kernel its FusedDecoder runs
+        return _native_attention(kernels, query, key, value, attention_mask, scaling), None
     scaling = (scaling, kwargs.get("softcap"))
     starts, continuation = _SEGMENTS.get()
     cached: CachedKeys | None = getattr(key, CachedKeys.MARK, None)  # a continuation pass's new keys only
@@ -105,6 +109,27 @@ def invariant_attention(module, query, key, value, attention_mask, scaling, drop
                                 [cut for cut in cuts if cut < split])
     tail = _attention(query[:, :, split:], key, value, mask[:, :, split:], scaling, CONTINUATION_TILE)
     return torch.cat([head, tail], dim=1), None
+
+
+def _native_attention(kernels, query, key, value, attention_mask, scaling: float) -> torch.Tensor:
+    """The native kernel's attention (kernels.c sr_attention: one query at a time, its keys in position order, one
+    fixed order of operations) for a mask under which each query sees the keys [0, n) (causal, right-padded rows,
+    as the model's own forward gets them in slimroute): (B, Lq, H, D)."""
+    batch, heads, num_queries, head_dim = query.shape
+    num_keys = key.shape[2]
+    allowed = _allowed(attention_mask, batch, num_queries, num_keys, query.device)[:, 0]  # (B, Lq, Lk)
+    counts = allowed.sum(dim=-1)  # (B, Lq)
+    if not torch.equal(allowed, torch.arange(num_keys, device=query.device) < counts[..., None]):
+        raise ValueError("the native attention needs each query's keys to be the first n of its row (a causal mask, "
+                         "right padding); this mask is not")
+    pad = -num_keys % 16  # the kernel's key buffers hold whole blocks of 16 positions
+    keys_t = F.pad(key.transpose(-1, -2), (0, pad)).contiguous()  # (B, Hkv, D, Lk')
+    values = F.pad(value, (0, 0, 0, pad)).contiguous()  # (B, Hkv, Lk', D)
+    queries = query.transpose(1, 2).reshape(batch * num_queries, heads, head_dim).contiguous()  # each row's in turn
+    row_starts = torch.arange(0, batch * num_queries + 1, num_queries, device=query.device)
+    out = kernels.attention(queries, row_starts, key.shape[1], scaling,
+                            [None, (keys_t, values, counts.reshape(-1).to(torch.int64).contiguous())])
+    return out.view(batch, num_queries, heads, head_dim)
 
 
 def _segmented_attention(query, key, value, attention_mask, scaling, cuts: list[int]) -> torch.Tensor:
@@ -424,6 +449,11 @@ def pick_attention(device: torch.device | str, dtype: torch.dtype, attention: st
     return "eager" if torch.device(device).type == "cpu" and dtype == torch.bfloat16 else "sdpa"
 
 
+def invariant_in_use(model: nn.Module) -> bool:
+    """Whether the model runs the batch-invariant attention (set_attention)."""
+    return getattr(model.config, "_attn_implementation", None) == NAME
+
+
 def set_attention(model: nn.Module, attention: str = "auto") -> str:
     """Set the attention implementation (the reference and the engine share it); returns the one in use."""
     param = next(model.parameters())
@@ -431,6 +461,11 @@ def set_attention(model: nn.Module, attention: str = "auto") -> str:
     used = pick_attention(param.device, param.dtype, attention, int8)
     if used == "sdpa" and not getattr(model, "_supports_sdpa", True):
         used = "eager"  # Gemma 2: torch's sdpa cannot soft-cap its scores
+    for module in model.modules():  # a fused model's native attention goes with its decoder (fused.fuse again)
+        if hasattr(module, NATIVE):
+            delattr(module, NATIVE)
+    if hasattr(model, FUSED):
+        delattr(model, FUSED)
     if used == "invariant":
         model.set_attn_implementation(register())
     else:

@@ -21,16 +21,16 @@ oneDNN's (`torch.ops.onednn.qlinear_pointwise`), which also runs on AMX tiles an
 faster of the two (docs/dtypes.md has the rates). pick_kernel takes oneDNN on CPUs with any VNNI when a probe layer
 gives exact products at 8 bits, else fbgemm.
 
-The elementwise work around the GEMMs (quantising rows; a gated MLP's scales, silu, product and the down projection's
-quantising: Int8GatedMLP) is compiled by torch.compile where it works here (elementwise()), else eager: the same
-row-local arithmetic either way.
+The layers that read one input (q/k/v_proj, gate/up_proj) run as one GEMM over their stacked weights
+(SharedProduct, Int8Slice): the same bits, fewer and wider calls. The elementwise work around the GEMMs (quantising
+rows; a gated MLP's scales, silu, product and the down projection's quantising: Int8GatedMLP) runs in slimroute's
+native kernels where they build here (elementwise(), native.py), else as eager torch ops: the same row-local
+arithmetic either way.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import platform
 import warnings
 
 import torch
@@ -39,7 +39,7 @@ from torch import nn
 
 from slimroute.runtime.cpu import detect
 from slimroute.runtime.linear import KERNEL_ERRORS, failure_line
-from slimroute.runtime.paths import cache_dir
+from slimroute.runtime.native import native
 
 log = logging.getLogger(__name__)
 
@@ -130,10 +130,9 @@ def _onednn_problem() -> str:
     return ""
 
 
-# The elementwise work around the integer GEMMs (quantising rows, the MLP's gate) reads and writes whole activation
-# tensors several times in eager torch: a quarter of the int8 model's time on a CPU with fast integer GEMMs. Compiled
-# by torch.compile (Inductor), each becomes one or two loops over the rows. Each row's numbers still depend on that
-# row alone (elementwise ops, and a max, which is exact in any order), so batch invariance holds either way.
+# The elementwise work around the integer GEMMs (quantising rows, the MLP's gate): torch ops here, one pass each in
+# slimroute's native kernels (native.py) where those run. Each row's numbers depend on that row alone (elementwise ops,
+# and a max, which is exact in any order), so batch invariance holds either way.
 def _to_ints(rows: torch.Tensor, act_max: int, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, K) fp32 rows -> their integers round(x / scale), |q| <= act_max (floats; uint8 q + shift when shift),
     and the row scales (M, 1), scale = max |x| / act_max."""
@@ -148,77 +147,26 @@ def _to_ints(rows: torch.Tensor, act_max: int, shift: int) -> tuple[torch.Tensor
 
 def _gated_to_ints(gate: torch.Tensor, up: torch.Tensor, scale: torch.Tensor, act_max: int, shift: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A gated MLP's silu(gate) * up, from the integer products of its gate and up projections and their input
-    rows' scales, as the down projection's integers and row scales."""
+    """A gated MLP's silu(gate * scale) * (up * scale), from the integer products of its gate and up projections and
+    their input rows' scales, as the down projection's integers and row scales."""
     return _to_ints(F.silu(gate * scale) * (up * scale), act_max, shift)
 
 
-class Elementwise:
-    """The elementwise functions an int8 model's layers call: compiled (fused) or eager."""
+class Eager:
+    """The elementwise functions an int8 model's layers call, as torch ops (where the native kernels do not run)."""
 
-    def __init__(self, compiled: bool):
-        self.compiled = compiled
-        # dynamic: one compiled loop for every row count; dynamic_threads: split the rows over the threads whatever
-        # the count (else Inductor, knowing no sizes, runs them on one thread)
-        options = {"cpp.dynamic_threads": True}
-        wrap = (lambda fn: torch.compile(fn, dynamic=True, options=options)) if compiled else (lambda fn: fn)
-        self.to_ints, self.gated_to_ints = wrap(_to_ints), wrap(_gated_to_ints)
+    native = False
+    to_ints = staticmethod(_to_ints)
+    gated_to_ints = staticmethod(_gated_to_ints)
 
 
-EAGER = Elementwise(compiled=False)
-_ELEMENTWISE: list[Elementwise] = []
+EAGER = Eager()
 
 
-def elementwise(kernel: str = "fbgemm") -> Elementwise:
-    """What quantize_model gives a model: compiled where torch.compile works here (decided once per process, on a
-    probe compiling them for the kernel's integers: 2 s, 8-15 s the first time on a machine), else eager with a
-    one-line note; SLIMROUTE_COMPILE=0 keeps them eager."""
-    if not _ELEMENTWISE:
-        fused = EAGER
-        if os.environ.get("SLIMROUTE_COMPILE", "1") != "0":
-            _use_inductor_cache_for_this_cpu()
-            fused = Elementwise(compiled=True)
-            if problem := _compile_problem(fused, *ACTIVATIONS[kernel]):
-                log.warning("int8: torch.compile does not work here (%s); the elementwise ops run eagerly (slower, "
-                            "same batch invariance)", problem)
-                fused = EAGER
-        _ELEMENTWISE.append(fused)
-    return _ELEMENTWISE[0]
-
-
-def _use_inductor_cache_for_this_cpu() -> None:
-    """Give Inductor's compiled kernels one cache per CPU capability, under slimroute's cache (so it also outlives
-    /tmp), unless TORCHINDUCTOR_CACHE_DIR names a folder of one's own: Inductor's cache key leaves the vector ISA
-    out, and kernels compiled under AVX-512, read back with torch held to AVX2 (ATEN_CPU_CAPABILITY=avx2), gave
-    garbage and corrupted the heap."""
-    try:  # torch sets the variable to its default when it first looks (transformers' generate can make it look)
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-        default = default_cache_dir()
-    except (ImportError, AttributeError):
-        default = None
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default):
-        capability = torch.backends.cpu.get_cpu_capability().lower()
-        folder = f"torch-{torch.__version__}-{platform.machine()}-{capability}"
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor" / folder)
-
-
-def _compile_problem(fused: Elementwise, act_max: int, shift: int) -> str:
-    """"" when fused's compiled functions run here and each row's result is the row's alone, else what went wrong
-    (no C++ compiler, an unsupported platform...). Compiles them for a kernel's integers (ACTIVATIONS)."""
-    generator = torch.Generator().manual_seed(0)
-    gate, up = torch.randn(6, 40, generator=generator), torch.randn(6, 40, generator=generator)
-    scale = torch.rand(6, 1, generator=generator) + 0.5
-    try:
-        with torch.inference_mode():  # the mode the engine and the reference run in (no recompiling there)
-            q, row_scale = fused.gated_to_ints(gate, up, scale, act_max, shift)
-            part, part_scale = fused.gated_to_ints(gate[2:5], up[2:5], scale[2:5], act_max, shift)
-            if not (torch.equal(part, q[2:5]) and torch.equal(part_scale, row_scale[2:5])):
-                return "a row's compiled result depends on the other rows"
-            fused.to_ints(gate, act_max, shift)
-    except Exception as exc:  # noqa: BLE001 - torch.compile fails in many ways (compiler, platform, backend)
-        return failure_line(exc)
-    return ""
+def elementwise():
+    """What quantize_model gives a model: the native kernels (native.native(): one pass each, the same arithmetic)
+    where they run here, else EAGER; SLIMROUTE_COMPILE=0 keeps them eager."""
+    return native() or EAGER
 
 
 class RowQuantizer:
@@ -229,7 +177,7 @@ class RowQuantizer:
     The integers come as the kernel takes them (ACTIVATIONS): floats for fbgemm (it adds its zero point itself),
     uint8 q + shift for oneDNN (made in place: each pass over the activations counts at these sizes)."""
 
-    def __init__(self, members: int = 1, kernel: str = "fbgemm", fused: Elementwise = EAGER):
+    def __init__(self, members: int = 1, kernel: str = "fbgemm", fused=EAGER):
         self.members = members
         self.kernel = kernel
         self.fused = fused
@@ -241,7 +189,7 @@ class RowQuantizer:
         if self._last is not None and self._last[0] is x:
             _, q, scale = self._last
         else:
-            q, scale = self.fused.to_ints(x.reshape(-1, x.shape[-1]).float(), *ACTIVATIONS[self.kernel])
+            q, scale = self.fused.to_ints(x.reshape(-1, x.shape[-1]).float().contiguous(), *ACTIVATIONS[self.kernel])
             self._uses = 0
         self._uses += 1
         self._last = (x, q, scale) if self._uses < self.members else None
@@ -286,32 +234,80 @@ class Int8Linear(nn.Module):
                                                   torch.float32, "none", [], "")
 
 
-class Int8GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) (Qwen2, Llama, Mistral...) with the int8 layers' elementwise work fused: x is
-    quantised once for gate and up, and their outputs' row scales, silu, the product and the down projection's
-    quantisation run as one compiled function (elementwise().gated_to_ints) instead of eight passes."""
+class SharedProduct:
+    """One GEMM for the layers that read one input (q/k/v_proj, gate/up_proj): their int8 weights stacked into one
+    Int8Linear (one call over N_q + N_k + N_v columns runs closer to the CPU's rate than three; each output column is
+    its own integer sum times its own scale, so the same bits as the layers alone). The first member called with an
+    input runs it; the others, called with that very tensor, reuse it; after the last member it is dropped."""
 
-    def __init__(self, gate_proj: Int8Linear, up_proj: Int8Linear, down_proj: Int8Linear, fused: Elementwise):
+    def __init__(self, linear: Int8Linear, members: int):
+        self.linear, self.members = linear, members
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._uses = 0
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(..., K) -> the stacked layers' products (M, N) (not yet times the row scales) and the row scales (M, 1)."""
+        if self._last is not None and self._last[0] is x:
+            _, products, scale = self._last
+        else:
+            q, scale = self.linear.quantizer(x)
+            products = self.linear.integer_product(q)
+            self._uses = 0
+        self._uses += 1
+        self._last = (x, products, scale) if self._uses < self.members else None
+        return products, scale
+
+
+class Int8Slice(nn.Module):
+    """Output columns [start, end) of a SharedProduct, times the row scales, plus the layer's own bias: the layer it
+    replaces (q_proj, k_proj...), to the bit."""
+
+    def __init__(self, shared: SharedProduct, start: int, end: int, bias: torch.Tensor | None):
         super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
-        self.quantizer = RowQuantizer(kernel=down_proj.kernel, fused=fused)  # x, once for gate and up
+        self.shared, self.start, self.end = shared, start, end
+        self.stacked = shared.linear  # a child module: GemmCalls and model.modules() find the one GEMM through it
+        self.in_features, self.out_features = shared.linear.in_features, end - start
+        self.bias = None if bias is None else bias.detach().float().clone()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        products, scale = self.shared(x)
+        out = products[:, self.start:self.end] * scale  # (M, N)
+        if self.bias is not None:
+            out.add_(self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+class Int8GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) (Qwen2, Llama, Mistral...) on the int8 layers: x quantised once, gate and up as one
+    GEMM (gate_up: their stacked weights, gate's columns first), then their products' row scales, silu, the product
+    and the down projection's quantisation in one function (elementwise().gated_to_ints: one pass in the native
+    kernels), where the model's own MLP runs eight passes; the same arithmetic as that MLP."""
+
+    def __init__(self, gate_up: Int8Linear, down_proj: Int8Linear, fused=EAGER):
+        super().__init__()
+        self.gate_up, self.down_proj = gate_up, down_proj
+        self.intermediate = gate_up.out_features // 2
         self.activations = ACTIVATIONS[down_proj.kernel]
         self.fused = fused
 
     @staticmethod
     def replaces(mlp: nn.Module) -> bool:
-        """Whether mlp is a gated SiLU MLP of int8 layers without biases (what forward computes)."""
+        """Whether mlp is a gated SiLU MLP of float linear layers without biases, gate and up of one shape (what
+        forward computes once they are int8)."""
         layers = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
         act = getattr(mlp, "act_fn", None)
-        if not all(isinstance(layer, Int8Linear) and layer.bias is None for layer in layers) or act is None:
+        if not all(isinstance(layer, nn.Linear) and layer.bias is None for layer in layers) or act is None:
+            return False
+        if layers[0].weight.shape != layers[1].weight.shape:
             return False
         probe = torch.linspace(-6, 6, 97)
         return set(dict(mlp.named_children())) == {"gate_proj", "up_proj", "down_proj", "act_fn"} and torch.equal(
             act(probe), F.silu(probe))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, scale = self.quantizer(x)
-        hidden, hidden_scale = self.fused.gated_to_ints(self.gate_proj.integer_product(q),
-                                                        self.up_proj.integer_product(q), scale, *self.activations)
+        q, scale = self.gate_up.quantizer(x)
+        products = self.gate_up.integer_product(q)  # (M, 2I): gate's columns, then up's
+        gate, up = products[:, :self.intermediate], products[:, self.intermediate:]
+        hidden, hidden_scale = self.fused.gated_to_ints(gate, up, scale, *self.activations)
         out = self.down_proj.integer_product(hidden).mul_(hidden_scale)
         return out.view(*x.shape[:-1], self.down_proj.out_features)

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from slimroute.runtime.attention import set_attention
 from slimroute.runtime.dtypes import TORCH_DTYPES, DtypeChoice, choose_dtype
 from slimroute.runtime.fingerprint import remember_fingerprint
+from slimroute.runtime.fused import fuse
 from slimroute.runtime.int8 import pick_kernel
 from slimroute.runtime.linear import set_linear_kernels
 from slimroute.runtime.packaged import (
@@ -149,5 +150,9 @@ def load_model(
     else:
         used = set_linear_kernels(model, kernels)
     attn = set_attention(model, attention)
+    if choice.name == "int8" and (why := fuse(model)) is None:
+        used += ", fused layers"
+    elif choice.name == "int8":
+        log.info("int8: the decoder runs as the model's own modules, not fused (%s)", why)
     return LoadedModel(spec, model, tokenizer, torch_dtype, torch.device(device), threads, used, attn,
                        choice.name, choice.reason)

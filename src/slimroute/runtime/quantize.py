@@ -1,8 +1,10 @@
 """A whole model to int8 (int8.py's layers), once per checkpoint, cached.
 
-`quantize_model` swaps every linear layer of the decoder for an Int8Linear (layers that read one input share its row
-quantiser), a gated MLP's three for an Int8GatedMLP where the elementwise ops are compiled, and the output head for a
-RowBlockedLinear on its lossless compact form (output_head.py). Activation outliers are first smoothed into the
+`quantize_model` swaps every linear layer of the decoder for an Int8Linear, the layers that read one input (q/k/v_proj,
+gate/up_proj) for slices of one GEMM over their stacked weights (Int8Slice), a gated SiLU MLP for an Int8GatedMLP,
+and the output head for a RowBlockedLinear on its lossless compact form (output_head.py). Where slimroute's native
+kernels run, the model also gets its decoder as a few of them per layer (fused.FusedDecoder), which the engine runs
+and the reference does not. Activation outliers are first smoothed into the
 weights (smoothing.py). The int8 weights, the norms and biases smoothing changed and the compact head are written to
 one file next to the checkpoint (int8_cache_file); a later load reads only that file and never touches the fp32 linear
 weights' pages.
@@ -23,10 +25,11 @@ from torch import nn
 from slimroute.runtime.int8 import (
     EAGER,
     WEIGHT_MAX,
-    Elementwise,
     Int8GatedMLP,
     Int8Linear,
+    Int8Slice,
     RowQuantizer,
+    SharedProduct,
     elementwise,
     quantize_weight,
 )
@@ -58,13 +61,15 @@ def int8_cache_file(source: Path | str) -> Path | None:
 
 
 def quantize_model(model: nn.Module, cache_file: Path | None = None, tokenizer=None, kernel: str = "fbgemm",
-                   compiled: bool | None = None) -> None:
+                   native: bool | None = None) -> None:
     """Turn `model` into its int8 form in place (module docstring). tokenizer: smooth first (one fp32 pass over fixed
-    calibration prompts; none without it). compiled: None where torch.compile works here (int8.elementwise)."""
+    calibration prompts; none without it). native: None to use slimroute's native kernels where they run here
+    (int8.elementwise), False for the eager torch ops."""
     head = model.get_output_embeddings()
     targets = {name: module for name, module in model.named_modules() if type(module) is nn.Linear
                and module is not head}
-    fused = elementwise(kernel) if compiled is None else Elementwise(compiled=True) if compiled else EAGER
+    gated = [name for name, module in model.named_modules() if Int8GatedMLP.replaces(module)]
+    fused = elementwise() if native is None else EAGER if not native else _required_native()
     checkpoint = FileMappedMemory()  # the fp32 weights' pages, handed back once their int8 form replaced them
     weights = Int8Weights(cache_file)
     if weights.stored is None and tokenizer is not None:
@@ -72,8 +77,11 @@ def quantize_model(model: nn.Module, cache_file: Path | None = None, tokenizer=N
     with weights:
         _swap_linears(model, targets, weights, kernel, fused, checkpoint)
     _set_smoothed_params(model, weights.params, targets)
-    if fused.compiled:  # eager, the model's own MLP forward is as fast
-        _fuse_gated_mlps(model, fused)
+    for name in gated:
+        mlp = model.get_submodule(name)
+        gate, up = mlp.gate_proj, mlp.up_proj
+        if isinstance(gate, Int8Slice) and gate.start == 0 and isinstance(up, Int8Slice) and up.shared is gate.shared:
+            _replace(model, name, Int8GatedMLP(mlp.gate_proj.stacked, mlp.down_proj, fused))
     _swap_head(model, head, weights, checkpoint)
     weights.save()
     _warn_about_experts(model)
@@ -148,16 +156,45 @@ class Int8Weights:
 
 
 def _swap_linears(model: nn.Module, targets: dict[str, nn.Linear], weights: Int8Weights, kernel: str,
-                  fused: Elementwise, checkpoint: FileMappedMemory) -> None:
-    """Every target becomes an Int8Linear; the layers that read one input share its row quantiser."""
-    groups = [_input_group(name) for name in targets]
-    quantizers = {group: RowQuantizer(groups.count(group), kernel, fused) for group in groups}
-    for name, linear in targets.items():
-        qweight, scale = weights.linear(name, linear.weight)
-        bias = weights.params.get(f"{name}.bias", linear.bias)
-        _replace(model, name, Int8Linear(qweight, scale, bias, quantizers[_input_group(name)], kernel))
-        checkpoint.release(linear.weight)
+                  fused, checkpoint: FileMappedMemory) -> None:
+    """Every target becomes int8: alone an Int8Linear; with the layers that read the same input (_input_group) one
+    Int8Linear over their stacked weights, each of them a slice of its output (Int8Slice)."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for name in targets:
+        groups.setdefault(_input_group(name), []).append(name)
+    for names in groups.values():
+        if len({targets[name].in_features for name in names}) > 1:  # not one input after all: one GEMM each
+            for name in names:
+                _swap_group(model, [name], targets, weights, kernel, fused, checkpoint)
+        else:
+            _swap_group(model, names, targets, weights, kernel, fused, checkpoint)
+
+
+def _swap_group(model, names: list[str], targets: dict[str, nn.Linear], weights: Int8Weights, kernel: str, fused,
+                checkpoint: FileMappedMemory) -> None:
+    parts = [weights.linear(name, targets[name].weight) for name in names]
+    biases = [weights.params.get(f"{name}.bias", targets[name].bias) for name in names]
+    quantizer = RowQuantizer(kernel=kernel, fused=fused)
+    if len(names) == 1:
+        _replace(model, names[0], Int8Linear(*parts[0], biases[0], quantizer, kernel))
+    else:
+        stacked = Int8Linear(torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts]), None, quantizer,
+                             kernel)
+        shared, start = SharedProduct(stacked, len(names)), 0
+        for name, (qweight, _), bias in zip(names, parts, biases, strict=True):
+            _replace(model, name, Int8Slice(shared, start, start + qweight.shape[0], bias))
+            start += qweight.shape[0]
+    for name, (qweight, scale) in zip(names, parts, strict=True):
+        checkpoint.release(targets[name].weight)
         weights.packed(qweight, scale)
+
+
+def _required_native():
+    """native=True: the native kernels, or the reason they do not run here."""
+    kernels = elementwise()
+    if not kernels.native:
+        raise RuntimeError("slimroute's native kernels do not run here (see the log's note)")
+    return kernels
 
 
 def _set_smoothed_params(model: nn.Module, params: dict[str, torch.Tensor], targets: dict) -> None:
@@ -166,12 +203,6 @@ def _set_smoothed_params(model: nn.Module, params: dict[str, torch.Tensor], targ
         if not name.endswith(".bias") or name.rpartition(".")[0] not in targets:
             parent, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent), leaf, nn.Parameter(value, requires_grad=False))
-
-
-def _fuse_gated_mlps(model: nn.Module, fused: Elementwise) -> None:
-    for name, module in list(model.named_modules()):
-        if Int8GatedMLP.replaces(module):
-            _replace(model, name, Int8GatedMLP(module.gate_proj, module.up_proj, module.down_proj, fused))
 
 
 def _swap_head(model: nn.Module, head: nn.Linear, weights: Int8Weights, checkpoint: FileMappedMemory) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from slimroute.engine.fast import decoder_layers
+from slimroute.engine.passes import decoder_layers
 from slimroute.labels import Prediction
 from slimroute.runtime.memory import share_the_main_malloc_arena
 from slimroute.server.calls import Call
@@ -346,7 +346,7 @@ class MicroBatcher:
 
 
 def transformer_layers(engines: dict) -> list:
-    """The blocks of each distinct model the engines run (engine.fast.decoder_layers)."""
+    """The blocks of each distinct model the engines run (engine.passes.decoder_layers)."""
     layers, seen = [], set()
     for engine in engines.values():
         model = getattr(engine, "model", None)

@@ -1,0 +1,460 @@
+/* slimroute's native kernels: the int8 decoder layer's work between its GEMMs, one pass each.
+
+Built at first use by runtime/native.py (the C compiler, OpenMP, this CPU's vector ISA), loaded with ctypes.
+Every result is a row's own: a row's numbers never depend on the other rows of a call, how many there are or which
+thread runs them. Each value is computed by one fixed sequence of IEEE single-precision operations (built with
+-ffp-contract=off: a multiply and an add stay two roundings unless written as fmaf), so a vectorised loop and its
+scalar remainder give the same bits.
+
+Two kinds of kernel:
+- the ones that must give the bits of the torch ops they replace in the model's own modules (RMSNorm: ATen's
+  cascade sum, replayed exactly for this build's vector width SR_LANES; rotary embeddings; residual adds; the
+  scaling and bias of an int8 GEMM's output): runtime/native.py checks them against those ops when it loads;
+- the ones the int8 model's own modules call too (row quantisation, the gated MLP's middle, attention), whose
+  arithmetic is defined here.
+*/
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifndef SR_LANES
+#define SR_LANES 8 /* the lanes of ATen's float sum kernel (runtime/native.py says why 8) */
+#endif
+
+typedef int64_t i64;
+
+/* ---------------------------------------------------------------------------------------------------------------
+   ATen's sum over a contiguous row (aten/src/ATen/native/cpu/SumKernel.cpp: vectorized_inner_sum -> row_sum with 4
+   accumulators -> multi_row_sum's cascade of 4 levels), of x[j] * x[j]: what `x.pow(2).mean(-1)` adds up. */
+static i64 ceil_log2(i64 x) {
+    if (x <= 2) return 1;
+    i64 v = x - 1, bit = 0;
+    while (v >>= 1) bit++;
+    return bit + 1;
+}
+
+static float sum_of_squares(const float *x, i64 n) {
+    enum { W = SR_LANES, ILP = 4, LEVELS = 4 };
+    const i64 vecs = n / W, rows = vecs / ILP;
+    const i64 power = ceil_log2(rows) / LEVELS > 4 ? ceil_log2(rows) / LEVELS : 4;
+    const i64 step = (i64)1 << power, mask = step - 1;
+    float acc[LEVELS][ILP][W];
+    memset(acc, 0, sizeof(acc));
+    i64 i = 0;
+    for (; i + step <= rows;) {
+        for (i64 j = 0; j < step; ++j, ++i)
+            for (int k = 0; k < ILP; ++k)
+                for (int l = 0; l < W; ++l) {
+                    float v = x[(i * ILP + k) * W + l];
+                    acc[0][k][l] += v * v;
+                }
+        for (int j = 1; j < LEVELS; ++j) {
+            for (int k = 0; k < ILP; ++k)
+                for (int l = 0; l < W; ++l) {
+                    acc[j][k][l] += acc[j - 1][k][l];
+                    acc[j - 1][k][l] = 0.0f;
+                }
+            if ((i & (mask << (j * power))) != 0) break;
+        }
+    }
+    for (; i < rows; ++i)
+        for (int k = 0; k < ILP; ++k)
+            for (int l = 0; l < W; ++l) {
+                float v = x[(i * ILP + k) * W + l];
+                acc[0][k][l] += v * v;
+            }
+    for (int j = 1; j < LEVELS; ++j)
+        for (int k = 0; k < ILP; ++k)
+            for (int l = 0; l < W; ++l) acc[0][k][l] += acc[j][k][l];
+    for (i64 v = rows * ILP; v < vecs; ++v) /* vectors left over by the 4 accumulators go to the first */
+        for (int l = 0; l < W; ++l) {
+            float e = x[v * W + l];
+            acc[0][0][l] += e * e;
+        }
+    for (int k = 1; k < ILP; ++k)
+        for (int l = 0; l < W; ++l) acc[0][0][l] += acc[0][k][l];
+    float total = 0.0f;
+    for (i64 j = vecs * W; j < n; ++j) total += x[j] * x[j];
+    for (int l = 0; l < W; ++l) total += acc[0][0][l];
+    return total;
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+   Row quantisation (int8.py's _to_ints): scale = max |x| / act_max (1 where that is not > 0), q = round-half-even(x /
+   scale); written as floats (fbgemm adds its zero point itself) or as uint8 q + shift (oneDNN). */
+static void quantize_row(const float *x, i64 n, float act_max, int shift, void *q, i64 q_offset, float *scale) {
+    float lanes[16] = {0.0f}; /* a max is exact in any order: 16 lanes side by side, then across them */
+    i64 j = 0;
+    for (; j + 16 <= n; j += 16)
+        for (int l = 0; l < 16; ++l) {
+            const float a = fabsf(x[j + l]);
+            lanes[l] = a > lanes[l] ? a : lanes[l];
+        }
+    float top = 0.0f;
+    for (; j < n; ++j) top = fabsf(x[j]) > top ? fabsf(x[j]) : top;
+    for (int l = 0; l < 16; ++l) top = lanes[l] > top ? lanes[l] : top;
+    float s = top / act_max;
+    s = s > 0.0f ? s : 1.0f;
+    *scale = s;
+    if (shift) {
+        uint8_t *out = (uint8_t *)q + q_offset;
+        for (i64 j = 0; j < n; ++j) out[j] = (uint8_t)(int)(rintf(x[j] / s) + (float)shift);
+    } else {
+        float *out = (float *)q + q_offset;
+        for (i64 j = 0; j < n; ++j) out[j] = rintf(x[j] / s);
+    }
+}
+
+void sr_quantize(i64 rows, i64 n, const float *x, float act_max, int shift, void *q, float *scales, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (i64 r = 0; r < rows; ++r) quantize_row(x + r * n, n, act_max, shift, q, r * n, scales + r);
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+   The residual add folded into the next RMSNorm: x += delta * delta_scale (+ delta_bias) where delta is given (an
+   int8 GEMM's products and their row scale: the layer's output), then the model's RMSNorm of x,
+   w * (x * (1 / sqrt(sum(x * x) / n + eps))), quantised per row (act_max > 0) or written as floats to out. */
+void sr_add_norm_quantize(i64 rows, i64 n, float *x, const float *delta, const float *delta_scale,
+                          const float *delta_bias, const float *weight, float eps, float act_max, int shift, void *q,
+                          float *scales, float *out, int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        float *normed = act_max > 0.0f ? (float *)malloc(sizeof(float) * n) : NULL;
+#pragma omp for schedule(static)
+        for (i64 r = 0; r < rows; ++r) {
+            float *row = x + r * n;
+            if (delta) {
+                const float *d = delta + r * n;
+                const float s = delta_scale[r];
+                if (delta_bias)
+                    for (i64 j = 0; j < n; ++j) row[j] = row[j] + (d[j] * s + delta_bias[j]);
+                else
+                    for (i64 j = 0; j < n; ++j) row[j] = row[j] + d[j] * s;
+            }
+            const float var = sum_of_squares(row, n) / (float)n;
+            const float inv = 1.0f / sqrtf(var + eps);
+            float *dst = normed ? normed : out + r * n;
+            for (i64 j = 0; j < n; ++j) dst[j] = weight[j] * (row[j] * inv);
+            if (normed) quantize_row(normed, n, act_max, shift, q, r * n, scales + r);
+        }
+        free(normed);
+    }
+}
+
+/* x += delta * delta_scale (+ delta_bias): a layer's last residual add, where no norm follows in this pass. */
+void sr_add(i64 rows, i64 n, float *x, const float *delta, const float *delta_scale, const float *delta_bias,
+            int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (i64 r = 0; r < rows; ++r) {
+        float *row = x + r * n;
+        const float *d = delta + r * n;
+        const float s = delta_scale[r];
+        if (delta_bias)
+            for (i64 j = 0; j < n; ++j) row[j] = row[j] + (d[j] * s + delta_bias[j]);
+        else
+            for (i64 j = 0; j < n; ++j) row[j] = row[j] + d[j] * s;
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+   exp for x in [-87, 88] (clamped there): Cody-Waite reduction by ln 2 and Cephes' degree-6 polynomial, every step
+   one fmaf or one rounding, so the same bits in a vector lane and in scalar code. */
+static inline float sr_exp(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = rintf(x * 1.44269504088896341f);
+    float r = fmaf(n, -0.693359375f, x);
+    r = fmaf(n, 2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    p = fmaf(p, r * r, r) + 1.0f;
+    union { float f; int32_t i; } two = {.i = ((int32_t)n + 127) << 23};
+    return p * two.f;
+}
+
+/* The gated MLP's middle (int8.py's _gated_to_ints): from the gate and up projections' products (rows of [gate |
+   up], 2 * n wide) and their input rows' scales, h = silu(gate * s) * (up * s), silu(g) = g / (1 + exp(-g)),
+   quantised per row for the down projection. */
+void sr_gated_quantize(i64 rows, i64 n, const float *gate_up, i64 gate_stride, const float *up_ptr, i64 up_stride,
+                       const float *scale, float act_max, int shift, void *q, float *scales, int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        float *h = (float *)malloc(sizeof(float) * n);
+#pragma omp for schedule(static)
+        for (i64 r = 0; r < rows; ++r) {
+            const float *g = gate_up + r * gate_stride;
+            const float *u = up_ptr + r * up_stride;
+            const float s = scale[r];
+            for (i64 j = 0; j < n; ++j) {
+                const float a = g[j] * s;
+                h[j] = (a / (1.0f + sr_exp(-a))) * (u[j] * s);
+            }
+            quantize_row(h, n, act_max, shift, q, r * n, scales + r);
+        }
+        free(h);
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+   q/k/v after their fused GEMM, for a pass's tokens (packed: no padding; token m belongs to row row_of[m] and goes to
+   position slot[row] + step_of[m] of it): v = products * row scale (+ bias), then the rotary embedding on q's and k's
+   heads, (x * cos) + (rotate_half(x) * sin) with rotate_half(x) = (-x2, x1), as the model computes it. Queries go to
+   queries (tokens, heads, d); keys (transposed: [row][kv head][d][capacity]) and values ([row][kv head][capacity][d])
+   into the rows' buffers. */
+static inline void rotate(const float *x, const float *c, const float *s, float *out, i64 d) {
+    const i64 half = d / 2;
+    for (i64 j = 0; j < half; ++j) out[j] = x[j] * c[j] + (-x[j + half]) * s[j];
+    for (i64 j = half; j < d; ++j) out[j] = x[j] * c[j] + x[j - half] * s[j];
+}
+
+void sr_qkv_rotary(i64 tokens, i64 heads, i64 kv_heads, i64 d, const float *products, const float *scale,
+                   const float *bias, const float *cos, const float *sin, const i64 *row_of, const i64 *step_of,
+                   float *queries, float *keys_t, float *values, i64 capacity, const i64 *slot, int threads) {
+    const i64 width = (heads + 2 * kv_heads) * d;
+#pragma omp parallel num_threads(threads)
+    {
+        float *v = (float *)malloc(sizeof(float) * width);
+        float *k = (float *)malloc(sizeof(float) * d);
+#pragma omp for schedule(static)
+        for (i64 m = 0; m < tokens; ++m) {
+            const i64 r = row_of[m], pos = slot[r] + step_of[m];
+            const float *p = products + m * width;
+            const float s = scale[m];
+            if (bias)
+                for (i64 j = 0; j < width; ++j) v[j] = p[j] * s + bias[j];
+            else
+                for (i64 j = 0; j < width; ++j) v[j] = p[j] * s;
+            const float *c = cos + m * d, *sn = sin + m * d;
+            for (i64 h = 0; h < heads; ++h) rotate(v + h * d, c, sn, queries + (m * heads + h) * d, d);
+            for (i64 h = 0; h < kv_heads; ++h) {
+                rotate(v + (heads + h) * d, c, sn, k, d);
+                float *kt = keys_t + (r * kv_heads + h) * d * capacity + pos;
+                for (i64 j = 0; j < d; ++j) kt[j * capacity] = k[j];
+                memcpy(values + ((r * kv_heads + h) * capacity + pos) * d, v + (heads + kv_heads + h) * d,
+                       sizeof(float) * d);
+            }
+        }
+        free(v);
+        free(k);
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+   Attention, one query at a time, its keys in position order, with one fixed order of operations per query:
+   score_k = sum over the head dimension, in order, of q * key_k (fmaf), times `scaling`; m = max_k score_k;
+   e_k = exp(score_k - m); total = the 16 partial sums of the e_k with k = l mod 16 (each in order of k), added in
+   order of l; out = (sum over k, in order, of e_k * value_k (fmaf)) * (1 / total). Nothing in a query's output depends on
+   the other queries, the batch, the padding, where its keys are stored, or the vector ISA this was built for.
+
+   A query's keys are up to three runs, one after another: a: the shared prefix's (count_a for every query; its
+   keys_t [kv head][d][cap_a], values [kv head][cap_a][d]); b: its row's (row r % rows_b of a [row][kv head][d][cap_b]
+   buffer, the first count_b[query] of them); c: the pass's own, in rows of their own (the first count_c[query]).
+   Every cap must be a multiple of 16 (keys are read 16 at a time; those past a run's count are never used).
+   Queries are a pass's tokens, packed (tokens, heads, d): row r's are [row_start[r], row_start[r + 1]); out (tokens,
+   heads * d), then each out row quantised for o_proj when act_max > 0 (into q / scales). Grouped-query attention:
+   query head h reads kv head h / (heads / kv_heads). */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define VL 16
+typedef __m512 vec;
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VSTORE(p, v) _mm512_storeu_ps(p, v)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VSET1(x) _mm512_set1_ps(x)
+#define VZERO() _mm512_setzero_ps()
+#define VADD(a, b) _mm512_add_ps(a, b)
+#define VMUL(a, b) _mm512_mul_ps(a, b)
+#define VMAX(a, b) _mm512_max_ps(a, b)
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define VL 8
+typedef __m256 vec;
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VSTORE(p, v) _mm256_storeu_ps(p, v)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VSET1(x) _mm256_set1_ps(x)
+#define VZERO() _mm256_setzero_ps()
+#define VADD(a, b) _mm256_add_ps(a, b)
+#define VMUL(a, b) _mm256_mul_ps(a, b)
+#define VMAX(a, b) _mm256_max_ps(a, b)
+#else
+#define VL 1
+typedef float vec;
+#define VLOAD(p) (*(p))
+#define VSTORE(p, v) (*(p) = (v))
+#define VFMA(a, b, c) fmaf(a, b, c)
+#define VSET1(x) (x)
+#define VZERO() 0.0f
+#define VADD(a, b) ((a) + (b))
+#define VMUL(a, b) ((a) * (b))
+#define VMAX(a, b) ((a) > (b) ? (a) : (b))
+#endif
+#define BLOCK 16 /* keys per block: the softmax total's partial sums, and the caps' multiple */
+#define GROUPS_AT_ONCE 8
+
+typedef struct {
+    const float *keys_t, *values;
+    i64 cap;
+} Run;
+
+/* scores[g][k] for the first `count` keys of a run (rounded up to BLOCK: the extra lanes are never read) and the
+   groups' queries q[g][d]: sequential fmaf over the head dimension per key, the keys' lanes side by side, times
+   scaling. */
+#define SCORES(G)                                                                                                  \
+    static void scores_##G(const float *kt, i64 cap, i64 d, i64 count, const float *q, const vec scale,           \
+                           float *scores, i64 stride) {                                                            \
+        for (i64 k0 = 0; k0 < count; k0 += VL) {                                                                   \
+            vec acc[G];                                                                                            \
+            for (int i = 0; i < G; ++i) acc[i] = VZERO();                                                          \
+            for (i64 j = 0; j < d; ++j) {                                                                          \
+                const vec key = VLOAD(kt + j * cap + k0);                                                          \
+                for (int i = 0; i < G; ++i) acc[i] = VFMA(VSET1(q[i * d + j]), key, acc[i]);                       \
+            }                                                                                                      \
+            for (int i = 0; i < G; ++i) VSTORE(scores + i * stride + k0, VMUL(acc[i], scale));                     \
+        }                                                                                                          \
+    }
+SCORES(1)
+SCORES(2)
+SCORES(3)
+SCORES(4)
+SCORES(5)
+SCORES(6)
+SCORES(7)
+SCORES(8)
+
+static void scores_of(const Run *run, i64 row, i64 kv_heads, i64 h, i64 d, i64 count, const float *q, i64 groups,
+                      float scaling, float *scores, i64 stride) {
+    if (count <= 0) return;
+    const float *kt = run->keys_t + (row * kv_heads + h) * d * run->cap;
+    const vec scale = VSET1(scaling);
+    for (i64 g0 = 0; g0 < groups; g0 += GROUPS_AT_ONCE) {
+        const float *qg = q + g0 * d;
+        float *sg = scores + g0 * stride;
+        switch (groups - g0 < GROUPS_AT_ONCE ? groups - g0 : GROUPS_AT_ONCE) {
+        case 1: scores_1(kt, run->cap, d, count, qg, scale, sg, stride); break;
+        case 2: scores_2(kt, run->cap, d, count, qg, scale, sg, stride); break;
+        case 3: scores_3(kt, run->cap, d, count, qg, scale, sg, stride); break;
+        case 4: scores_4(kt, run->cap, d, count, qg, scale, sg, stride); break;
+        case 5: scores_5(kt, run->cap, d, count, qg, scale, sg, stride); break;
+        case 6: scores_6(kt, run->cap, d, count, qg, scale, sg, stride); break;
+        case 7: scores_7(kt, run->cap, d, count, qg, scale, sg, stride); break;
+        default: scores_8(kt, run->cap, d, count, qg, scale, sg, stride); break;
+        }
+    }
+}
+
+/* o[j] += e[k] * value_k[j] for the run's first `count` keys, in order of k: PARTS vectors of o in registers. */
+#define WEIGHTED_SUM(PARTS)                                                                                        \
+    static void weighted_sum_##PARTS(const float *v, i64 d, i64 count, const float *e, float *o) {                 \
+        vec acc[PARTS];                                                                                            \
+        for (int p = 0; p < PARTS; ++p) acc[p] = VLOAD(o + p * VL);                                                \
+        for (i64 k = 0; k < count; ++k) {                                                                          \
+            const vec w = VSET1(e[k]);                                                                             \
+            for (int p = 0; p < PARTS; ++p) acc[p] = VFMA(w, VLOAD(v + k * d + p * VL), acc[p]);                   \
+        }                                                                                                          \
+        for (int p = 0; p < PARTS; ++p) VSTORE(o + p * VL, acc[p]);                                                \
+    }
+WEIGHTED_SUM(1)
+WEIGHTED_SUM(2)
+WEIGHTED_SUM(4)
+WEIGHTED_SUM(8)
+
+static void weighted_sum(const Run *run, i64 row, i64 kv_heads, i64 h, i64 d, i64 count, const float *e, float *o) {
+    const float *v = run->values + (row * kv_heads + h) * run->cap * d;
+    if (count <= 0) return;
+    switch (d % VL == 0 ? d / VL : 0) {
+    case 1: weighted_sum_1(v, d, count, e, o); return;
+    case 2: weighted_sum_2(v, d, count, e, o); return;
+    case 4: weighted_sum_4(v, d, count, e, o); return;
+    case 8: weighted_sum_8(v, d, count, e, o); return;
+    default:
+        for (i64 k = 0; k < count; ++k)
+            for (i64 j = 0; j < d; ++j) o[j] = fmaf(e[k], v[k * d + j], o[j]);
+    }
+}
+
+/* The softmax of one group's n scaled scores in place (e_k, the tail up to BLOCK zeroed) and its total. */
+static float softmax_terms(float *s, i64 n) {
+    const i64 padded = (n + BLOCK - 1) / BLOCK * BLOCK;
+    for (i64 k = n; k < padded; ++k) s[k] = -INFINITY;
+    vec high = VSET1(-INFINITY); /* the max, lanes side by side (exact in any order) */
+    for (i64 k = 0; k < padded; k += VL) high = VMAX(VLOAD(s + k), high);
+    float top = -INFINITY, highest[VL];
+    VSTORE(highest, high);
+    for (int l = 0; l < VL; ++l) top = highest[l] > top ? highest[l] : top;
+    for (i64 k = 0; k < padded; ++k) s[k] = sr_exp(s[k] - top);
+    for (i64 k = n; k < padded; ++k) s[k] = 0.0f;
+    float partial[BLOCK];
+#if VL > 1
+    vec lanes[BLOCK / VL];
+    for (int l = 0; l < BLOCK / VL; ++l) lanes[l] = VZERO();
+    for (i64 k0 = 0; k0 < padded; k0 += BLOCK)
+        for (int l = 0; l < BLOCK / VL; ++l) lanes[l] = VADD(lanes[l], VLOAD(s + k0 + l * VL));
+    for (int l = 0; l < BLOCK / VL; ++l) VSTORE(partial + l * VL, lanes[l]);
+#else
+    for (int l = 0; l < BLOCK; ++l) partial[l] = 0.0f;
+    for (i64 k0 = 0; k0 < padded; k0 += BLOCK)
+        for (int l = 0; l < BLOCK; ++l) partial[l] += s[k0 + l];
+#endif
+    float total = 0.0f;
+    for (int l = 0; l < BLOCK; ++l) total += partial[l];
+    return total;
+}
+
+void sr_attention(i64 rows, const i64 *row_start, i64 heads, i64 kv_heads, i64 d, const float *queries, float scaling,
+                  const float *a_keys_t, const float *a_values, i64 cap_a, i64 count_a,
+                  const float *b_keys_t, const float *b_values, i64 cap_b, i64 rows_b, const i64 *count_b,
+                  const float *c_keys_t, const float *c_values, i64 cap_c, const i64 *count_c,
+                  float *out, float act_max, int shift, void *q, float *scales, int threads) {
+    const i64 groups = heads / kv_heads, width = heads * d;
+    const Run a = {a_keys_t, a_values, cap_a}, b = {b_keys_t, b_values, cap_b}, c = {c_keys_t, c_values, cap_c};
+    const i64 tokens = row_start[rows];
+    i64 most = 0;
+    for (i64 m = 0; m < tokens; ++m) {
+        const i64 n = count_a + (count_b ? count_b[m] : 0) + (count_c ? count_c[m] : 0);
+        most = n > most ? n : most;
+    }
+    const i64 stride = (most + 2 * BLOCK) / BLOCK * BLOCK; /* room for each run's last block of lanes */
+#pragma omp parallel num_threads(threads)
+    {
+        float *scores = (float *)malloc(sizeof(float) * stride * groups);
+        float *acc = (float *)malloc(sizeof(float) * d);
+#pragma omp for schedule(dynamic, 1) collapse(2)
+        for (i64 r = 0; r < rows; ++r)
+            for (i64 h = 0; h < kv_heads; ++h)
+                for (i64 m = row_start[r]; m < row_start[r + 1]; ++m) {
+                    const i64 na = count_a, nb = count_b ? count_b[m] : 0, nc = count_c ? count_c[m] : 0;
+                    const i64 n = na + nb + nc;
+                    const float *qh = queries + (m * heads + h * groups) * d;
+                    if (n == 0) {
+                        memset(out + m * width + h * groups * d, 0, sizeof(float) * groups * d);
+                        continue;
+                    }
+                    scores_of(&a, 0, kv_heads, h, d, na, qh, groups, scaling, scores, stride);
+                    scores_of(&b, r % rows_b, kv_heads, h, d, nb, qh, groups, scaling, scores + na, stride);
+                    scores_of(&c, r, kv_heads, h, d, nc, qh, groups, scaling, scores + na + nb, stride);
+                    for (i64 g = 0; g < groups; ++g) {
+                        float *e = scores + g * stride;
+                        const float total = softmax_terms(e, n);
+                        memset(acc, 0, sizeof(float) * d);
+                        weighted_sum(&a, 0, kv_heads, h, d, na, e, acc);
+                        weighted_sum(&b, r % rows_b, kv_heads, h, d, nb, e + na, acc);
+                        weighted_sum(&c, r, kv_heads, h, d, nc, e + na + nb, acc);
+                        float *o = out + m * width + (h * groups + g) * d;
+                        const float inverse = 1.0f / total;
+                        for (i64 j = 0; j < d; ++j) o[j] = acc[j] * inverse;
+                    }
+                }
+        if (act_max > 0.0f) {
+#pragma omp for schedule(static)
+            for (i64 m = 0; m < tokens; ++m)
+                quantize_row(out + m * width, width, act_max, shift, q, m * width, scales + m);
+        }
+        free(scores);
+        free(acc);
+    }
+}
