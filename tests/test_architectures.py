@@ -42,12 +42,32 @@ def fp32_model(arch: str):
 
 @functools.cache
 def int8_model(arch: str):
+    """As load_model makes it: quantised, the batch-invariant attention, fused where the fused decoder's form fits
+    (none of these: their norms, windows, caps or multipliers are not what it computes)."""
+    from slimroute.runtime.fused import fuse
     from slimroute.runtime.quantize import quantize_model
 
     model, tok = tiny_model(arch)
     quantize_model(model, tokenizer=tok)  # with smoothing, as load_model does
     assert set_attention(model) == "invariant"
+    fuse(model)
     return model, tok
+
+
+@needs_int8
+@pytest.mark.parametrize("arch, why", [("gemma2", "soft-caps"), ("gemma3", "not of the form"),
+                                       ("olmo2", "not of the form"), ("granite", "differs from the model's own")])
+def test_the_fused_decoder_refuses_what_it_does_not_compute(arch, why):
+    """Gemma's (1 + w) norms, q/k norms and windows, Olmo 2's norms after the blocks, Granite's multipliers: fuse
+    says why not (Granite's layers have Llama's parts: only the bitwise probe against the model's own forward
+    tells), and the model keeps its own modules."""
+    from slimroute.runtime.fused import fuse, fused_decoder
+    from slimroute.runtime.native import native
+
+    if native() is None:
+        pytest.skip("slimroute's native kernels do not build here")
+    model, _ = int8_model(arch)
+    assert fused_decoder(model) is None and why in fuse(model)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -89,6 +89,9 @@ def invariant_attention(module, query, key, value, attention_mask, scaling, drop
         raise NotImplementedError("the batch-invariant attention has no attention sinks (s_aux); load this model "
                                   "with --dtype float32 or bfloat16")
     if (kernels := getattr(module, NATIVE, None)) is not None:  # a fused model's: the kernel its FusedDecoder runs
+        if hasattr(key, CachedKeys.MARK) or kwargs.get("softcap") is not None:
+            raise NotImplementedError("a fused model's native attention reads whole keys without a soft cap; its "
+                                      "engine passes go through its FusedDecoder (engine/passes.py)")
         return _native_attention(kernels, query, key, value, attention_mask, scaling), None
     scaling = (scaling, kwargs.get("softcap"))
     starts, continuation = _SEGMENTS.get()
