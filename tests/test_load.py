@@ -78,11 +78,13 @@ def test_hf_folder_and_repo_id_resolve(tmp_path, cache):
     from slimroute.runtime.cpu import detect
     from slimroute.runtime.dtypes import choose_dtype, supported_dtypes
     from slimroute.runtime.int8 import pick_kernel
+    from slimroute.runtime.native import native
 
     for dtype in supported_dtypes(detect()):  # float32 everywhere; bfloat16 and int8 where this CPU runs them
         loaded = load.load_model(str(tmp_path / "m"), dtype, threads=1)
         assert loaded.precision == dtype and loaded.threads == 1
-        assert loaded.kernels == (f"int8 ({pick_kernel()})" if dtype == "int8" else "onednn")
+        fused = ", fused layers" if native() is not None else ""  # the decoder as native kernels (runtime/fused.py)
+        assert loaded.kernels == (f"int8 ({pick_kernel()}){fused}" if dtype == "int8" else "onednn")
     auto = load.load_model(str(tmp_path / "m"), threads=1)
     assert (auto.precision, auto.precision_reason) == (choose_dtype("auto").name, choose_dtype("auto").reason)
 

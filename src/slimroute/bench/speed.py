@@ -26,8 +26,8 @@ import psutil
 import torch
 import transformers
 
-from slimroute.bench import peers
-from slimroute.bench.limit import GemmCalls, Limit, profile_markdown, profile_ops, replay
+from slimroute.bench import onnx_peer, peers
+from slimroute.bench.limit import LARGE_ROWS, GemmCalls, Limit, profile_markdown, profile_ops
 from slimroute.config import EngineConfig
 from slimroute.engine.verify import compare
 from slimroute.io.synth import synthetic_tickets
@@ -234,6 +234,8 @@ def run_bench(n=600, batch_size=32, dtypes=None, model="qwen2.5-coder-0.5b", thr
             except RuntimeError as exc:
                 log(f"fresh {dtype} classify process failed: {exc}")
     peer = _llama_cpp_row(bench, model, threads, refs.get("float32"))
+    onnx = onnx_peer.bench_row(bench, Task(LABELS), model, threads or physical_cores(), batch_size,
+                               max_batch_tokens, refs)
     rows = bench.rows
     base = next((r.items_per_s for r in rows if r.note is None), 1.0)
     for row in rows:
@@ -249,7 +251,9 @@ def run_bench(n=600, batch_size=32, dtypes=None, model="qwen2.5-coder-0.5b", thr
     return {"machine": machine_info(threads, cpu), "n": n, "batch_size": batch_size, "model": model,
             "auto_dtype": {"dtype": auto.name, "reason": auto.reason}, "attention": attention,
             "recheck_margin": recheck_margin, "vs_fp32": drift, "classify_process": fresh, "llama_cpp": peer,
+            "onnx_runtime": onnx,
             "profile": bench.profiles,
+            "limits": bench.limits,
             "rows": [{**asdict(r), "items_per_s": r.items_per_s} for r in rows],
             "wall_s": time.perf_counter() - started}  # the whole bench, loads included
 
@@ -278,6 +282,7 @@ class _Bench:
     def __init__(self, texts, golds, log):
         self.texts, self.golds, self.log, self.rows = texts, golds, log, []
         self.profiles: dict[str, dict] = {}
+        self.limits: dict[str, dict] = {}
 
     def run(self, name, dtype, classifier, reference=None, limit: bool = False) -> list[Prediction] | None:
         """limit: also time the row's decoder GEMMs alone and add the GEMM-only limit row (bench.limit)."""
@@ -294,7 +299,7 @@ class _Bench:
         self.log(f"{row.name:40s} {row.dtype:9s} {row.items_per_s:6.2f} items/s  agree {fmt_pct(row.agreement)}  "
                  f"max|Δ| {fmt_sci(row.max_dlogprob)}  pad {fmt_pct(row.padding)}  acc {fmt_pct(row.accuracy)}")
         if calls is not None and calls.calls:
-            self.add_limit(row, Limit(row.items, row.seconds, replay(calls.calls), len(calls.calls)))
+            self.add_limit(row, Limit.of(row.items, row.seconds, calls.calls))
         return preds
 
     def add_limit(self, row: Row, limit: Limit) -> None:
@@ -302,8 +307,9 @@ class _Bench:
         self.rows.append(Row(f"GEMM-only limit (the decoder's linear layers alone: the same {limit.num_gemms:,} "
                              f"GEMMs)", row.dtype, limit.gemm_seconds, limit.items, None, None, None, None, 0.0,
                              row.tokens, limit_of=row.name))
+        self.limits[row.dtype] = limit.to_dict()
         self.log(f"{'GEMM-only limit':40s} {row.dtype:9s} {limit.items_per_s:6.2f} items/s  "
-                 f"the row reaches {fmt_pct(limit.share)} of it")
+                 f"the row reaches {fmt_pct(limit.share)} of it; {gemm_rates(limit.to_dict())}")
 
     def profile(self, dtype: str, classifier) -> None:
         self.profiles[dtype] = profile_ops(classifier, self.texts)
@@ -397,6 +403,13 @@ def machine_info(threads, cpu=None) -> dict:
             "date": time.strftime("%Y-%m-%d")}
 
 
+def gemm_rates(limit: dict) -> str:
+    """The decoder GEMMs' replayed rate beside one large GEMM's (bench.limit.large_gemm_rate), in words."""
+    return (f"the decoder GEMMs ran at {limit['gemm_mac_per_s'] / 1e12:.3f} T multiply-adds/s replayed, "
+            f"{fmt_pct(limit['gemm_efficiency'])} of one large GEMM of theirs here "
+            f"({limit['large_gemm_mac_per_s'] / 1e12:.3f} T/s, {LARGE_ROWS} rows)")
+
+
 def fmt_pct(x):
     return "-" if x is None else f"{100 * x:.1f}%"
 
@@ -445,8 +458,9 @@ def markdown(record: dict, command: str) -> str:
         )
     if any(r.get("limit_of") for r in record["rows"]):
         lines += ["", "GEMM-only limit: the decoder's linear layers alone, the same GEMMs on the same row counts as "
-                      "the row above ran, replayed and timed; its items/s is what that row would do if nothing around "
-                      "the GEMMs took time. \"of GEMM limit\" = the row's items/s / the limit's."]
+                      "the row above ran, replayed and timed (best of 3 passes); its items/s is what that row would do "
+                      "if nothing around the GEMMs took time. \"of GEMM limit\" = the row's items/s / the limit's."]
+        lines += [f"{dtype}: {gemm_rates(limit)}." for dtype, limit in (record.get("limits") or {}).items()]
     for dtype, profile in (record.get("profile") or {}).items():
         lines += ["", *profile_markdown(dtype, profile)]
     for dtype, drift in (record.get("vs_fp32") or {}).items():
@@ -456,6 +470,8 @@ def markdown(record: dict, command: str) -> str:
     if peer:
         lines += ["", f"llama.cpp labels vs the fp32 reference: {fmt_pct(peer['label_agreement_with_fp32_reference'])} "
                       f"agree ({peer['num_agree']} of {record['n']})"]
+    if record.get("onnx_runtime"):
+        lines += ["", onnx_peer.summary(record["onnx_runtime"], record["n"])]
     for dtype, fresh in (record.get("classify_process") or {}).items():
         lines += ["", f"Peak RSS of a fresh `slimroute classify --dtype {dtype}` process (defaults otherwise, the same "
                       f"{fresh['items']} tickets, model load included): {fresh['peak_rss_gb']:.2f} GB."]
