@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from test_equivalence import LABEL_SETS
+from test_equivalence import LABEL_SETS, assert_equal
 from tiny import make_text, tiny_model
 
 from slimroute.accuracy.head import FEATURE_SETS, Head, HeadMismatchError, check_out, feature_states, task_spec
@@ -159,6 +159,33 @@ def test_head_round_trips_through_its_folder(tiny_qwen, tmp_path):
     cut = Task(LABEL_SETS["single"], "Route the ticket.", truncate_tokens=64)  # read as it was tuned
     random_head(model, tok, cut).save(tmp_path / "cut")
     assert Head.load(tmp_path / "cut").task == cut and "truncate_tokens" not in head.meta["task"]
+    templated = Task(LABEL_SETS["single"], template=TEMPLATE, descriptions={"billing": "charges and refunds"})
+    random_head(model, tok, templated).save(tmp_path / "templated")
+    assert Head.load(tmp_path / "templated").task == templated and "template" not in head.meta["task"]
+
+
+TEMPLATE = 'Customer message: "{text}"\nTopic (a few words): "'
+
+
+@pytest.mark.parametrize("config", [dict(batch_size=1), dict(batch_size=7), dict(batch_size=7, prefix_cache=False),
+                                    dict(batch_size=7, chunk_tokens=32)], ids=["1", "7", "7-no-prefix", "7-chunked"])
+@pytest.mark.parametrize("features", ["hidden", "hidden+mean+label-logprobs"])
+def test_fast_path_equals_reference_with_a_template_head(tiny, config, features):
+    """A template renders no chat turn and leaves an empty prefix: the engine (prefix cache on or off, long items
+    in chunks) still gives the reference's answers, and the labels are scored after the template's end."""
+    model, tok = tiny
+    task = Task(LABEL_SETS["multi"], template=TEMPLATE)
+    head = random_head(model, tok, task, seed=9, features=features.removesuffix("+label-logprobs"),
+                       with_label_logprobs=features.endswith("+label-logprobs"))
+    texts = texts_for(9)
+    engine = Engine(model, tok, task, EngineConfig(**config), head=head)
+    assert engine.prompt.prefix_ids == [] and (engine._chunk_tokens == 32) == ("chunk_tokens" in config)
+    ref = ReferenceClassifier(model, tok, task, head=head).classify(texts)
+    fast = engine.classify(texts)
+    assert [p.label for p in fast] == [p.label for p in ref] and len({p.label for p in fast}) > 1
+    assert max(abs(f.logprobs[k] - r.logprobs[k]) for f, r in zip(fast, ref, strict=True) for k in HEAD_LABELS) <= 1e-4
+    plain = Engine(model, tok, task, EngineConfig(**config))  # zero-shot over the labels, after the template
+    assert_equal(ReferenceClassifier(model, tok, task).classify(texts), plain.classify(texts))
 
 
 def test_head_refuses_another_model_tokenizer_or_prompt(tiny_qwen):

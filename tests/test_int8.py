@@ -337,6 +337,27 @@ def test_int8_chunked_prefill_with_a_head_that_reads_every_token_gives_the_refer
     assert [p.logprobs for p in fast] == [p.logprobs for p in ref]  # bitwise
 
 
+@pytest.mark.parametrize("features", ["hidden", "hidden+mean"])
+def test_int8_template_head_gives_the_references_bits_with_prefix_cache_and_chunks(tiny_int8, features):
+    """A template task (no chat template, an empty prefix), as `tune --prompt represent` makes: with the prefix cache,
+    batched and in chunks, without the cache, the reference's bits, head and zero-shot label scores alike."""
+    model, tok = tiny_int8
+    task = Task(MULTI, template='Customer message: "{text}"\nTopic (a few words): "')
+    head = random_head(model, tok, task, features=features, seed=17)
+    rng = random.Random(19)
+    texts = [make_text(rng, rng.choice([1, 17, 60, 130, 200])) for _ in range(12)]
+    ref = ReferenceClassifier(model, tok, task, head=head).classify(texts)
+    zero_ref = ReferenceClassifier(model, tok, task).classify(texts)
+    for config in (EngineConfig(batch_size=7), EngineConfig(batch_size=7, chunk_tokens=32),
+                   EngineConfig(batch_size=5, prefix_cache=False)):
+        engine = Engine(model, tok, task, config, head=head)
+        assert engine.prompt.prefix_ids == []
+        assert [p.logprobs for p in engine.classify(texts)] == [p.logprobs for p in ref], config  # bitwise
+        plain = Engine(model, tok, task, config)
+        assert [p.logprobs for p in plain.classify(texts)] == [p.logprobs for p in zero_ref], config
+    assert len({p.label for p in ref}) > 1
+
+
 def test_int8_truncate_tokens_gives_the_int8_references_bits(tiny_int8):
     """Texts cut to a task's truncate_tokens: the fast path still gives the int8 reference's bits."""
     model, tok = tiny_int8

@@ -131,3 +131,68 @@ def test_truncate_tokens_from_a_task_file_and_from_the_flag():
             Task(LABELS, truncate_tokens=bad)
     with pytest.raises(ValueError, match="allowed: labels, instructions, examples, truncate_tokens"):
         Task.from_dict({"labels": list(LABELS), "truncate": 5})
+
+
+TEMPLATE = 'Customer message: "{text}"\nTopic (a few words): "'
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(min_size=1, max_size=80).filter(lambda t: t.strip()))
+def test_a_template_renders_raw_and_its_split_is_exact(text):
+    """A template is rendered as itself around the (stripped) text, no chat template; with no special token in it
+    the prefix is empty, so prefix + item is tokenising the whole prompt, whatever the text's first characters."""
+    from conftest import _cached
+
+    for arch in ("qwen2", "llama"):
+        _, tok = _cached(arch)
+        task = Task(LABELS, template=TEMPLATE)
+        assert render_prompt(tok, task, f" {text} ") == TEMPLATE.replace("{text}", text.strip())
+        prompt = Prompt(task, tok)
+        assert prompt.prefix_ids == []
+        assert encode(tok, render_prompt(tok, task, text)) == prompt.item_ids(text)
+        assert prompt.item_ids_batch([text]) == [prompt.item_ids(text)]
+
+
+def test_a_template_starts_with_the_bos_a_tokenizer_adds_itself(tiny_llama):
+    """Llama's and Gemma's tokenizers put a BOS before plain text, as their chat templates do: so does a template,
+    and the prefix is then that BOS alone."""
+    import copy
+
+    from tokenizers import processors
+
+    _, tok = tiny_llama
+    with_bos = copy.deepcopy(tok)
+    with_bos.add_special_tokens({"bos_token": "<|begin_of_text|>"})
+    with_bos._tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", with_bos.bos_token_id)])
+    task = Task(LABELS, template=TEMPLATE)
+    assert render_prompt(with_bos, task, "hi").startswith("<|begin_of_text|>Customer")
+    assert not render_prompt(tok, task, "hi").startswith("<|begin_of_text|>")
+    prompt = Prompt(task, with_bos)
+    assert prompt.prefix_ids == [with_bos.bos_token_id]
+    assert encode(with_bos, render_prompt(with_bos, task, "hi")) == prompt.prefix_ids + prompt.item_ids("hi")
+
+
+def test_the_labels_are_scored_after_the_templates_end(tiny_qwen):
+    _, tok = tiny_qwen
+    chat, templated = Prompt(Task(LABELS), tok), Prompt(Task(LABELS, template=TEMPLATE), tok)
+    assert templated._suffix == '"\nTopic (a few words): "' and len(templated.label_ids) == len(LABELS)
+    assert all(ids for ids in templated.label_ids) and chat.prefix_ids
+
+
+@pytest.mark.parametrize("template, message", [
+    ("", "template: expected a non-empty string"), ("   ", "template: expected a non-empty string"),
+    (3, "template: expected a non-empty string"), ("no text here", "must hold {text} exactly once"),
+    ("{text} and {text}", "must hold {text} exactly once")])
+def test_bad_templates_are_rejected(template, message):
+    with pytest.raises(ValueError, match=message):
+        Task(LABELS, template=template)
+
+
+def test_a_template_from_a_task_file_takes_no_examples(tmp_path):
+    path = tmp_path / "task.yaml"
+    path.write_text('labels: [billing, account]\ntemplate: "Ticket: {text}\\nQueue:"\n')
+    task = Task.from_file(path)
+    assert task.template == "Ticket: {text}\nQueue:" and task.examples == ()
+    with pytest.raises(ValueError, match="a task with a template takes no few-shot examples"):
+        Task.from_dict({"labels": ["a", "b"], "template": "{text}", "examples": [{"text": "x", "label": "a"}]})

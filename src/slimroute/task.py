@@ -2,9 +2,11 @@
 
 `Task.messages(text)` is the one definition of the conversation; both the reference and the
 fast path render it through the model's own chat template. Label descriptions only change the
-system prompt; the model still answers the label's name. `Prompt` splits the rendered
-conversation right after the last special token before the item text, so that
-`prefix_ids + item_ids(text)` equals tokenising the whole prompt at once.
+system prompt; the model still answers the label's name. A task with a `template` (raw text with one
+`{text}`, e.g. a prompt written for a head to read: "Customer message: ...") is rendered as that text
+alone, no chat template. `Prompt` splits the rendered prompt right after the last special token before
+the item text (a template has none: an empty prefix), so that `prefix_ids + item_ids(text)` equals
+tokenising the whole prompt at once.
 """
 
 from __future__ import annotations
@@ -38,9 +40,16 @@ class Task:
     # Read only each text's first this many tokens (None: as many as the model's context leaves room for); a
     # longer text is cut, in the reference and the fast path alike, and marked truncated.
     truncate_tokens: int | None = None
+    # A raw prompt with exactly one "{text}", rendered without the chat template (None: the chat prompt above). The
+    # instructions then go unused; the labels are still scored after the template's end.
+    template: str | None = None
 
     def __post_init__(self):
         check_truncate_tokens(self.truncate_tokens)
+        check_template(self.template)
+        if self.template is not None and self.examples:
+            raise ValueError("examples: a task with a template takes no few-shot examples (they are chat turns); "
+                             "write them into the template instead")
         labels, described = parse_labels(self.labels)
         given = self.descriptions.items() if isinstance(self.descriptions, dict) else self.descriptions
         for label, description in given:
@@ -80,10 +89,10 @@ class Task:
     def from_dict(cls, data: dict, name: str = "default") -> Task:
         if not isinstance(data, dict):
             raise ValueError(f"task: expected a mapping with 'labels', got {type(data).__name__}")
-        unknown = set(data) - {"labels", "instructions", "examples", "name", "truncate_tokens"}
+        unknown = set(data) - {"labels", "instructions", "examples", "name", "truncate_tokens", "template"}
         if unknown:
             raise ValueError(f"task: unknown field(s) {sorted(unknown)}; allowed: labels, instructions, examples, "
-                             "truncate_tokens")
+                             "truncate_tokens, template")
         if "labels" not in data:
             raise ValueError("task: field 'labels' is missing")
         examples = []
@@ -100,6 +109,7 @@ class Task:
             tuple(examples),
             str(data.get("name", name)),
             truncate_tokens=data.get("truncate_tokens"),
+            template=data.get("template"),
         )
 
     @classmethod
@@ -167,6 +177,16 @@ def check_truncate_tokens(value) -> int | None:
     return value
 
 
+def check_template(template) -> str | None:
+    if template is None:
+        return None
+    if not isinstance(template, str) or not template.strip():
+        raise ValueError(f"template: expected a non-empty string with one {{text}}, got {template!r}")
+    if template.count("{text}") != 1:
+        raise ValueError(f"template: must hold {{text}} exactly once (where each text goes), got {template!r}")
+    return template
+
+
 def check_description(label, description) -> str:
     if not isinstance(description, str):
         raise ValueError(f"labels: the description of {label!r} must be a string, "
@@ -188,8 +208,20 @@ def load_task_file(path: str | Path) -> dict:
 
 
 def render_prompt(tokenizer, task: Task, text: str) -> str:
-    """The whole prompt string, up to and including the start of the assistant turn."""
+    """The whole prompt string, up to and including the start of the assistant turn; with a template, the template
+    around the text (behind the tokenizer's BOS where it puts one before plain text: Llama's, Gemma's)."""
+    if task.template is not None:
+        return _bos_text(tokenizer) + task.template.replace("{text}", text.strip())
     return chat_prompt(tokenizer, task.messages(text))
+
+
+def _bos_text(tokenizer) -> str:
+    """The BOS token's text when the tokenizer adds one by itself (a raw prompt then starts as its chat template
+    would), else ""."""
+    bos, bos_id = getattr(tokenizer, "bos_token", None), getattr(tokenizer, "bos_token_id", None)
+    if not bos or bos_id is None:
+        return ""
+    return bos if tokenizer("a")["input_ids"][:1] == [bos_id] else ""
 
 
 def chat_prompt(tokenizer, messages: list[dict]) -> str:

@@ -100,7 +100,7 @@ class Head:
         examples = tuple(Example(text, label) for text, label in spec.get("examples", []))
         described = {"descriptions": tuple(map(tuple, spec["descriptions"]))} if spec.get("descriptions") else {}
         return Task(tuple(spec["labels"]), spec["instructions"], examples, **described,
-                    truncate_tokens=spec.get("truncate_tokens"))
+                    truncate_tokens=spec.get("truncate_tokens"), template=spec.get("template"))
 
     def logprobs(self, hidden: torch.Tensor, label_logprobs: torch.Tensor | None = None) -> torch.Tensor:
         """(N, H) or, with +mean, (N, 2H) item states (item_states, with the means of `layers` after them)
@@ -255,6 +255,8 @@ def task_spec(task: Task) -> dict:
         spec["descriptions"] = [list(pair) for pair in task.descriptions]
     if task.truncate_tokens is not None:  # the features were read from each text's first tokens only
         spec["truncate_tokens"] = task.truncate_tokens
+    if task.template is not None:  # a raw prompt, no chat template (the features were read through it)
+        spec["template"] = task.template
     return spec
 
 
