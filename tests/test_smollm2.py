@@ -74,9 +74,11 @@ def test_a_tuned_head_on_the_fast_path_equals_the_reference(smollm2):
     head, report = tune_head(Engine(model, tok, task), [r["text"] for r in train], [r["intent"] for r in train],
                              TuneConfig(folds=4))
     assert report.accuracy > 0.5  # four intents, eight examples each: far above chance (0.25)
+    task = head.task  # the prompt the head reads: tune's representation template
+    assert task.template is not None
     texts = [r["text"] for r in held_out]
     ref = ReferenceClassifier(model, tok, task, head=head).classify(texts)
-    for config in (EngineConfig(batch_size=3), EngineConfig(prefix_cache=False)):
+    for config in (EngineConfig(batch_size=3), EngineConfig(prefix_cache=False), EngineConfig(chunk_tokens=32)):
         fast = Engine(model, tok, task, config, head=head).classify(texts)
         assert [p.label for p in fast] == [p.label for p in ref]
         assert max(abs(a.logprobs[k] - b.logprobs[k]) for a, b in zip(ref, fast, strict=True) for k in a.logprobs) \

@@ -18,16 +18,10 @@ from tiny import tiny_model
 from typer.testing import CliRunner
 
 from slimroute import cli
+from slimroute.accuracy.fit import Candidate, _logits, fit_head, fit_options, fit_temperature
 from slimroute.accuracy.head import Head
-from slimroute.accuracy.tune import (
-    TuneConfig,
-    _logits,
-    check_labelled,
-    fit_head,
-    fit_temperature,
-    fit_tuned,
-    parse_layer,
-)
+from slimroute.accuracy.prompts import REPRESENTATION_TEMPLATE
+from slimroute.accuracy.tune import TuneConfig, check_labelled, parse_layer
 from slimroute.config import EngineConfig
 from slimroute.engine.fast import Engine
 from slimroute.runtime.load import load_model
@@ -95,8 +89,10 @@ def head_dir(tmp_path, labelled, run) -> Path:
 
 def test_tune_writes_a_head_that_classify_and_verify_use(tmp_path, head_dir, labelled, run, model_dir):
     head = Head.load(head_dir)
-    assert head.labels == tuple(sorted(INTENTS)) and head.features == "hidden+mean"
+    assert head.labels == tuple(sorted(INTENTS)) and head.features == "hidden"  # the representation prompt's
+    assert head.task.template == REPRESENTATION_TEMPLATE and head.layers == ()
     meta = json.loads((head_dir / "head.json").read_text())
+    assert meta["task"]["template"] == REPRESENTATION_TEMPLATE and meta["cv"]["prompt"] == "represent"
     assert meta["format"] == "slimroute-head" and meta["identity"]["hidden_size"] == 32
     assert set(meta["identity"]) == {"model_fingerprint", "tokenizer_fingerprint", "prompt_fingerprint",
                                      "hidden_size"}
@@ -193,7 +189,13 @@ def test_calibrate_with_a_head_exits_2_and_writes_nothing(tmp_path, head_dir, la
     ("unlabelled", [], "has no label in column 'intent'"),
     ("few", ["--folds", "1"], "folds must be an integer >= 2"),
     ("few", ["--classifier", "svm"], "classifier must be one of auto, logistic, lda"),
-    ("few", ["--states", "first"], "--states must be 'last' or 'last+mean'"),
+    ("few", ["--states", "first"], "--states must be 'auto', 'last' or 'last+mean'"),
+    ("few", ["--prompt", "chat"], "--prompt must be one of auto, task, represent or a template holding {text}"),
+    ("few", ["--prompt", "{{text}} and {{text}}"], "template: must hold {text} exactly once"),
+    ("few", ["--label-rows", "all"], "--label-rows must be one of auto, none, names"),
+    ("few", ["--per-label", "0"], "--per-label must be a number of rows >= 1"),
+    ("few", ["--sample-seed", "3"], "--sample-seed draws --per-label rows; give --per-label N too"),
+    ("few", ["--per-label", "2"], "label 'card_arrival' has 2 examples; tuning needs at least 5"),
     ("few", ["--with-label-logprobs", "--labels", "card_arrival,exchange_rate"],
      "--with-label-logprobs needs the task's labels to be the head's labels"),
     ("few", ["--out", "{tmp}/labelled.csv"], "is a file; give a folder for the head"),
@@ -337,16 +339,21 @@ def test_the_layer_option_is_chosen_by_cross_validation(informative):
     blocks[signal] += 3 * rng.normal(size=(num_classes, hidden))[y]
     features = np.concatenate(blocks, axis=1)
     config = TuneConfig(folds=4, with_mean=False, with_label_logprobs=True)
-    tensors, report = fit_tuned(features, y, config, [(), (1,), (2,)], hidden)
-    assert set(report.layer_scores) == {"final states", "+ layer 1", "+ layer 2"}
+    none = np.zeros((0, features.shape[1]))
+
+    def fit(x, options):
+        return fit_options({"task": Candidate(x, none, config, options, hidden)}, y, np.zeros(0, int), ["none"])[1:]
+
+    tensors, report = fit(features, [(), (1,), (2,)])
+    assert set(report.option_scores) == {"task prompt", "task prompt + layer 1", "task prompt + layer 2"}
     assert report.layers == {"final": (), "layer 2": (2,)}[informative]
     width = hidden * (1 + len(report.layers)) + 2
     assert tensors["weight"].shape == (num_classes, width)
     picked = np.concatenate([blocks[0], *([blocks[2]] if report.layers else []), blocks[3]], axis=1)
     assert np.allclose(tensors["mean"].numpy(), picked.mean(axis=0))  # the head was fitted on those columns
     only_1 = np.concatenate([blocks[0], blocks[1], blocks[3]], axis=1)  # the features hold the options' layers only
-    alone, single = fit_tuned(only_1, y, config, [(1,)], hidden)
-    assert single.layers == (1,) and single.layer_scores == {}  # one option: nothing to choose, no LDA pass
+    alone, single = fit(only_1, [(1,)])
+    assert single.layers == (1,) and single.option_scores == {}  # one option: nothing to choose, no LDA pass
     assert alone["weight"].shape == (num_classes, 2 * hidden + 2)
 
 
@@ -481,3 +488,97 @@ def test_the_server_answers_with_a_head_from_descriptions(tmp_path, run, model_d
     assert head.normalize and [item["label"] for item in results] == [p.label for p in offline]
     for item, want in zip(results, offline, strict=True):
         assert item["logprobs"] == pytest.approx(want.logprobs, abs=1e-4)
+
+
+def test_label_rows_join_every_training_fold_and_the_refit_but_are_never_scored():
+    """Out-of-fold logits for the rows alone, each fold fitted on its training part plus every label row; the
+    refit on the rows plus the label rows."""
+    from sklearn.discriminant_analysis import LinearDiscriminantAnalysis
+    from sklearn.model_selection import StratifiedKFold
+    from sklearn.preprocessing import StandardScaler
+
+    from slimroute.accuracy.fit import _cv_scores
+
+    rng = np.random.default_rng(4)
+    y = np.repeat(np.arange(3), 6)
+    x = rng.normal(size=(len(y), 5)) + y[:, None]
+    extra, extra_y = rng.normal(size=(3, 5)) + np.arange(3)[:, None] * 2, np.arange(3)
+    config = TuneConfig(folds=3, classifier="lda")
+    scores, logits = _cv_scores(x, y, config, extra, extra_y)
+    want = np.zeros((len(y), 3))
+    for train, test in StratifiedKFold(3, shuffle=True, random_state=0).split(x, y):
+        fit_x, fit_y = np.concatenate([x[train], extra]), np.concatenate([y[train], extra_y])
+        scaler = StandardScaler().fit(fit_x)
+        lda = LinearDiscriminantAnalysis(solver="lsqr", shrinkage="auto").fit(scaler.transform(fit_x), fit_y)
+        want[test] = lda.decision_function(scaler.transform(x[test]))
+    assert logits["lda"].shape == (len(y), 3) and np.allclose(logits["lda"], want)
+    assert scores["lda"] == (want.argmax(axis=1) == y).mean()
+    tensors, _ = fit_head(x, y, config, extra, extra_y)
+    assert np.allclose(tensors["mean"].numpy(), np.concatenate([x, extra]).mean(axis=0))
+    without, _ = fit_head(x, y, config)
+    assert np.allclose(without["mean"].numpy(), x.mean(axis=0))
+
+
+def test_label_rows_are_chosen_by_cross_validation():
+    """Rows too noisy to tell apart alone, label rows on the class centres: with them CV does better, so auto
+    takes them; the options' LDA scores are reported."""
+    rng = np.random.default_rng(0)
+    centres = rng.normal(size=(4, 20))
+    y = np.repeat(np.arange(4), 3)
+    x = centres[y] + rng.normal(size=(len(y), 20)) * 1.5
+    config = TuneConfig(folds=3, with_mean=False)
+    found = {"represent": Candidate(x, centres, config, [()], 20)}
+    prompt, _, report = fit_options(found, y, np.arange(4), ["none", "names"])
+    assert prompt == "represent" and set(report.option_scores) == {"represent prompt",
+                                                                    "represent prompt + label rows"}
+    assert report.option_scores["represent prompt + label rows"] > report.option_scores["represent prompt"]
+    assert report.label_rows == "names"
+
+
+@pytest.mark.parametrize("seed", [None, 3])
+def test_per_label_takes_n_rows_of_each_label_in_file_order(seed):
+    from slimroute.accuracy.tune import per_label
+
+    labels = ["a", "b", "a", "c", "a", "b", "a", "b", "a"]
+    keep, short = per_label(labels, 3, seed)
+    assert keep == sorted(keep) and short == {"c": 1}  # c has one row: taken, and said
+    assert sorted(labels[i] for i in keep) == ["a", "a", "a", "b", "b", "b", "c"]
+    if seed is None:
+        assert keep == [0, 1, 2, 3, 4, 5, 7]
+    else:
+        assert per_label(labels, 3, seed) == (keep, short)  # seeded: the same draw again
+        draws = {tuple(per_label(labels, 2, s)[0]) for s in range(10)}
+        assert len(draws) > 1
+    with pytest.raises(ValueError, match="--per-label must be a number of rows >= 1"):
+        per_label(labels, 0)
+
+
+def test_tune_prompt_task_per_label_and_label_rows_on_the_command_line(tmp_path, run, model_dir):
+    """--prompt task: the chat prompt's head, as before; --prompt auto: both prompts scored, the summary says
+    which was chosen; --per-label with --sample-seed tunes on a seeded draw; each head verifies."""
+    rows = banking_rows(8)
+    labelled = write_csv(tmp_path / "labelled.csv", rows)
+    out = tmp_path / "task-head"
+    result = run("tune", labelled, "--label-column", "intent", "--out", out, "--folds", "3", "--prompt", "task",
+                 "--label-rows", "none", "--per-label", "6", "--dtype", "float32")
+    assert result.exit_code == 0, result.output
+    assert "tuning on the first 6 rows of each label: 24 of 32 rows" in result.text
+    head = Head.load(out)
+    assert head.features == "hidden+mean" and head.task.template is None and head.meta["num_examples"] == 24
+    assert head.meta["cv"]["label_rows"] == "none" and "label_rows" not in head.meta
+
+    auto = tmp_path / "auto-head"
+    result = run("tune", labelled, "--label-column", "intent", "--out", auto, "--folds", "3", "--prompt", "auto",
+                 "--per-label", "9", "--sample-seed", "1", "--dtype", "float32")
+    assert result.exit_code == 0, result.output
+    assert "a random 9 (seed 1) rows of each label: 32 of 32 rows" in result.text
+    assert "4 label(s) have fewer than 9 rows, all of them taken" in result.text
+    scores = Head.load(auto).meta["cv"]["option_scores"]
+    assert {"task prompt", "represent prompt", "represent prompt + label rows"} <= set(scores)
+    assert "options (LDA CV)" in result.text and "represent prompt + label rows" in result.text
+    for folder in (out, auto):
+        result = run("verify", labelled, "--head", folder, "--json", tmp_path / "v.json", "--dtype", "float32",
+                     "--batch-size", "7")
+        assert result.exit_code == 0, result.output
+        record = json.loads((tmp_path / "v.json").read_text())
+        assert record["agreement"] == 1.0 and record["max_abs_logprob_diff"] <= 1e-4

@@ -58,14 +58,16 @@ class SlimRouteClassifier(ClassifierMixin, BaseEstimator):
     head_, cv_) or "calibration" (zero-shot over the classes as labels, with per-label offsets fitted to the
     gold labels: offsets_; a class name is then a label the model scores, so give meaningful names).
     instructions: the prompt's instructions (labels are the classes seen in fit). folds, cs,
-    with_label_logprobs, with_mean, classifier, layer: as in `slimroute tune` (TuneConfig; mode="head").
+    with_label_logprobs, with_mean, classifier, layer, prompt, label_rows: as in `slimroute tune` (TuneConfig;
+    mode="head").
     batch_size, max_batch_tokens: the engine's. truncate_tokens: read only each text's first this many tokens (the
     task's truncate_tokens; None: whole texts)."""
 
     def __init__(self, model: str = DEFAULT_MODEL, *, mode: str = "head", instructions: str | None = None,
                  dtype: str = "auto", threads: int | None = None, device: str = "cpu",
-                 with_label_logprobs: bool = False, with_mean: bool = True, classifier: str = "auto",
-                 layer: int | str | None = "auto", folds: int = 5, cs: tuple[float, ...] = DEFAULT_CS,
+                 with_label_logprobs: bool = False, with_mean: bool | None = None, classifier: str = "auto",
+                 layer: int | str | None = "auto", prompt: str = "represent", label_rows: str = "auto",
+                 folds: int = 5, cs: tuple[float, ...] = DEFAULT_CS,
                  batch_size: int = 32, max_batch_tokens: int | None = 512, truncate_tokens: int | None = None):
         self.model = model
         self.mode = mode
@@ -77,6 +79,8 @@ class SlimRouteClassifier(ClassifierMixin, BaseEstimator):
         self.with_mean = with_mean
         self.classifier = classifier
         self.layer = layer
+        self.prompt = prompt
+        self.label_rows = label_rows
         self.folds = folds
         self.cs = cs
         self.batch_size = batch_size
@@ -108,7 +112,8 @@ class SlimRouteClassifier(ClassifierMixin, BaseEstimator):
             self.classes_, self.offsets_, self.head_, self.task_ = classes, offsets, None, task
         else:
             config = TuneConfig(folds=self.folds, cs=tuple(self.cs), with_label_logprobs=self.with_label_logprobs,
-                                with_mean=self.with_mean, classifier=self.classifier, layer=self.layer)
+                                with_mean=self.with_mean, classifier=self.classifier, layer=self.layer,
+                                prompt=self.prompt, label_rows=self.label_rows)
             head, report = tune_head(engine, texts, golds, config, names,
                                      {"model": self.model, "dtype": loaded.precision})
             self.classes_, self.head_, self.cv_, self.task_, self.offsets_ = classes, head, report, head.task, None

@@ -1,36 +1,34 @@
-"""Tune a head on labelled texts: features from the fast engine, a cross-validated linear classifier.
+"""Tune a head on labelled texts: features from the fast engine, a cross-validated linear classifier (fit.py).
 
-`tune_head(engine, texts, labels)`: every text runs once through the engine (batched, prefix cache), its
-head features (engine.features: by default the last hidden state and the mean over the item's tokens) are
-standardised, and each candidate classifier is scored under stratified K-fold cross-validation (the scaler
-is fitted inside each fold): a multinomial LogisticRegression for each regularisation strength C of a small
-grid, and linear discriminant analysis with Ledoit-Wolf shrinkage ("lda", which does better than the
-logistic regression with a handful of rows per label: BANKING77 at 8 per intent). The candidate with the best
-out-of-fold accuracy is refitted on all rows; its out-of-fold accuracy and macro-F1 are reported (slightly
-optimistic: the candidate is chosen on those same folds). Both are linear with softmax probabilities
-(multiclass LDA's predict_proba is the softmax of its decision function), so either becomes the same head.
+`tune_head(engine, texts, labels)`: every text runs once through the engine (batched, prefix cache) under the
+prompt the config names (prompts.py: the task's own chat prompt, the representation template, or both for "auto"),
+and its head features (engine.features) go to fit.fit_options, which chooses the prompt, the label rows and the
+middle layer with LDA under stratified cross-validation, then the classifier (logistic regression over a grid of C,
+or shrinkage LDA), all on these rows alone. The head records the chosen prompt in its task, so classify, verify,
+the server and the estimator read texts through it.
 
-Layers (`layer="auto"`, the default): the features may also hold the mean over the item's tokens of one decoder
-layer's output from the middle of the model, read in the same forward pass. The candidates (none, and the layers
-a quarter, half and three quarters of the way up) are scored first, each with the cheap LDA under the same
-folds; the best (ties: fewer features) then goes through the classifier search above. On BANKING77 the layer a
-quarter of the way up, beside the final states, added 4 points of CV accuracy at 8 examples per intent (2.9 on
-the held-out rows).
+Features by prompt (TuneConfig.resolved): the task's chat prompt reads the last state and the mean over the item's
+tokens, and, by CV, the mean of a layer a quarter, half or three quarters up (on BANKING77 at 8 per intent the
+quarter layer added 4 points of CV accuracy); a template reads the last state alone (under the representation
+prompt, token means and middle layers scored lower).
 """
 
 from __future__ import annotations
 
+import random
 import shlex
 import sys
 from collections import Counter
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from importlib.metadata import version
 
 import numpy as np
 import torch
 
 from slimroute.accuracy.calibration import CONTENT_FREE_TEXTS
+from slimroute.accuracy.fit import Candidate, CVReport, fit_options
 from slimroute.accuracy.head import Head, task_spec
+from slimroute.accuracy.prompts import check_label_rows, check_prompt, label_texts, prompt_tasks
 from slimroute.runtime.fingerprint import identity
 from slimroute.runtime.packaged import PACKAGED_MODELS
 from slimroute.task import Task
@@ -45,9 +43,14 @@ class TuneConfig:
     folds: int = 5  # stratified cross-validation folds; every label needs at least this many examples
     cs: tuple[float, ...] = DEFAULT_CS  # inverse regularisation strengths tried
     with_label_logprobs: bool = False  # add the task labels' log-probs to the hidden state as features
-    with_mean: bool = True  # add the mean of the item's hidden states to its last one (head.item_states)
+    # add the mean of the item's hidden states to its last one (head.item_states); None: the prompt's own choice
+    # (resolved: yes for a chat prompt, no for a template)
+    with_mean: bool | None = None
     classifier: str = "auto"  # one of CLASSIFIERS
-    layer: int | str | None = "auto"  # a decoder layer whose mean joins the features: "auto" (by CV), None, or k
+    # a decoder layer whose mean joins the features: "auto" (by CV for a chat prompt; none for a template), None, k
+    layer: int | str | None = "auto"
+    prompt: str = "represent"  # prompts.PROMPTS, or a template holding {text}
+    label_rows: str = "auto"  # prompts.LABEL_ROWS: the label names (and descriptions) as training rows
     max_iter: int = 2000
     seed: int = 0
 
@@ -61,6 +64,15 @@ class TuneConfig:
             raise ValueError(f"classifier must be one of {', '.join(CLASSIFIERS)}, got {self.classifier!r}")
         if not (self.layer in ("auto", None) or (isinstance(self.layer, int) and self.layer >= 1)):
             raise ValueError(f"layer must be 'auto', None or a decoder layer number >= 1, got {self.layer!r}")
+        check_prompt(self.prompt)
+        check_label_rows(self.label_rows)
+
+    def resolved(self, task: Task) -> TuneConfig:
+        """This config for features read through `task`'s prompt: with_mean None and layer "auto" settled (module
+        docstring)."""
+        template = task.template is not None
+        with_mean = (not template) if self.with_mean is None else self.with_mean
+        return replace(self, with_mean=with_mean, layer=None if template and self.layer == "auto" else self.layer)
 
     def layer_options(self, depth: int) -> list[tuple[int, ...]]:
         """The layer sets tried, in the order ties are broken: () is the final states alone. depth: the model's
@@ -75,7 +87,7 @@ class TuneConfig:
 
     @property
     def states(self) -> str:
-        """The hidden states the head reads (head.item_states)."""
+        """The hidden states the head reads (head.item_states), once resolved."""
         return "last+mean" if self.with_mean else "last"
 
     @property
@@ -91,26 +103,6 @@ class TuneConfig:
         if self.classifier in ("auto", "lda"):
             found["lda"] = ("lda", None)
         return found
-
-
-@dataclass(frozen=True)
-class CVReport:
-    folds: int
-    classifier: str  # the chosen candidate: "logistic" or "lda"
-    c: float | None  # the chosen inverse regularisation strength (logistic; None for lda)
-    accuracy: float  # out-of-fold, of the chosen candidate
-    macro_f1: float
-    scores: dict  # candidate name (TuneConfig.candidates) -> out-of-fold accuracy
-    temperature: float = 1.0  # the head's logits are the classifier's divided by this (fit_temperature)
-    layers: tuple[int, ...] = ()  # the decoder layers whose means joined the features
-    layer_scores: dict = field(default_factory=dict)  # layer option name -> out-of-fold accuracy with LDA
-
-    @property
-    def chosen(self) -> str:
-        return f"logistic C={self.c:g}" if self.classifier == "logistic" else self.classifier
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def labelled_rows(rows, label_column: str) -> tuple[list[str], list[str]]:
@@ -147,96 +139,60 @@ def check_labelled(texts: list[str], labels: list[str], folds: int) -> list[str]
     return sorted(counts)
 
 
-def fit_head(features: np.ndarray, y: np.ndarray, config: TuneConfig) -> tuple[dict, CVReport]:
-    """features (N, F), y (N,) ints 0..C-1 -> the head's tensors (on standardised features) and its CV report."""
-    from sklearn.metrics import f1_score
-    from sklearn.preprocessing import StandardScaler
-    from threadpoolctl import threadpool_limits
-
-    candidates = config.candidates()
-    scores, logits = _cv_scores(features, y, config)
-    oof = {name: values.argmax(axis=1) for name, values in logits.items()}
-    # BLAS threads as many as torch's (--threads): on a busy 2-core CPU, spare threads only spin (10x slower).
-    with threadpool_limits(limits=torch.get_num_threads()):
-        best = max(candidates, key=lambda name: scores[name])  # ties: the first (stronger regularisation)
-        kind, c = candidates[best]
-        temperature = fit_temperature(logits[best], y)
-        report = CVReport(config.folds, kind, c, scores[best], float(f1_score(y, oof[best], average="macro")), scores,
-                          temperature)
-        scaler = StandardScaler().fit(features)
-        final = _classifier(kind, c, config).fit(scaler.transform(features), y)
-    weight, bias = final.coef_, final.intercept_
-    if weight.shape[0] == 1:  # two labels: sklearn keeps one logit (label 1 vs 0); softmax([0, t]) = sigmoid(t)
-        weight, bias = np.vstack([np.zeros_like(weight), weight]), np.concatenate([[0.0], bias])
-    weight, bias = weight / temperature, bias / temperature  # the same decisions, calibrated probabilities
-    tensors = {"weight": weight, "bias": bias, "mean": scaler.mean_, "std": scaler.scale_}
-    return {k: torch.tensor(np.asarray(v), dtype=torch.float64) for k, v in tensors.items()}, report
-
-
-def _cv_scores(features: np.ndarray, y: np.ndarray, config: TuneConfig) -> tuple[dict, dict]:
-    """Each candidate's out-of-fold accuracy and (N, C) logits, under the config's stratified folds."""
-    from sklearn.metrics import accuracy_score
-    from sklearn.model_selection import StratifiedKFold, cross_val_predict
-    from sklearn.pipeline import make_pipeline
-    from sklearn.preprocessing import StandardScaler
-    from threadpoolctl import threadpool_limits
-
-    folds = StratifiedKFold(config.folds, shuffle=True, random_state=config.seed)
-    with threadpool_limits(limits=torch.get_num_threads()):
-        logits = {name: _logits(cross_val_predict(make_pipeline(StandardScaler(), _classifier(kind, c, config)),
-                                                  features, y, cv=folds, method="decision_function"))
-                  for name, (kind, c) in config.candidates().items()}  # out-of-fold (N, C)
-    return {name: float(accuracy_score(y, values.argmax(axis=1))) for name, values in logits.items()}, logits
-
-
-def _logits(decision: np.ndarray) -> np.ndarray:
-    """sklearn's decision_function -> (N, C) logits; two labels give one column (label 1 vs 0)."""
-    return np.stack([np.zeros_like(decision), decision], axis=1) if decision.ndim == 1 else decision
-
-
-def fit_temperature(logits: np.ndarray, y: np.ndarray) -> float:
-    """The T > 0 that minimises the out-of-fold log-loss of softmax(logits / T) (temperature scaling, Guo et
-    al. 2017). It leaves every decision as it was and makes the probabilities honest: LDA's logits, fitted on a
-    few rows per label, run to hundreds (every answer "certain") and magnify the last bits of the hidden
-    state (fp32 kernels' 1e-5 became 6e-4 in log-prob); scaled, they mean what they say."""
-    from scipy.optimize import minimize_scalar
-    from scipy.special import log_softmax
-
-    def loss(log_t: float) -> float:
-        return float(-log_softmax(logits / np.exp(log_t), axis=1)[np.arange(len(y)), y].mean())
-
-    return float(np.exp(minimize_scalar(loss, bounds=(-5.0, 8.0), method="bounded").x))
-
-
-def _classifier(kind: str, c: float | None, config: TuneConfig):
-    from sklearn.discriminant_analysis import LinearDiscriminantAnalysis
-    from sklearn.linear_model import LogisticRegression
-
-    if kind == "lda":
-        return LinearDiscriminantAnalysis(solver="lsqr", shrinkage="auto")
-    return LogisticRegression(C=c, max_iter=config.max_iter)
+def per_label(labels: list[str], n: int, seed: int | None = None) -> tuple[list[int], dict[str, int]]:
+    """(indices, short): n rows of each label, in file order — its first n, or with a seed a seeded random n — and
+    {label: its number of rows} for each label that has fewer than n (all of its rows are taken)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"--per-label must be a number of rows >= 1, got {n!r}")
+    rows: dict[str, list[int]] = {}
+    for i, label in enumerate(labels):
+        rows.setdefault(label, []).append(i)
+    rng = random.Random(seed)
+    kept = [i for found in rows.values()
+            for i in (found[:n] if seed is None else sorted(rng.sample(found, min(n, len(found)))))]
+    return sorted(kept), {label: len(found) for label, found in sorted(rows.items()) if len(found) < n}
 
 
 def tune_head(engine, texts: list[str], labels: list[str], config: TuneConfig | None = None,
               classes: list[str] | None = None, meta: dict | None = None, progress=None) -> tuple[Head, CVReport]:
-    """Fit a head for `engine`'s model, tokenizer and task. classes: the head's labels in order (default:
-    the distinct labels, sorted); meta: extra head.json fields (model spec, command)."""
+    """Fit a head for `engine`'s model and tokenizer, reading texts through the prompt(s) config.prompt names for
+    engine's task (prompts.prompt_tasks). classes: the head's labels in order (default: the distinct labels,
+    sorted); meta: extra head.json fields (model spec, command); progress(n): n more texts read."""
     config = config or TuneConfig()
     found = check_labelled(texts, labels, config.folds)
     classes = list(classes or found)
     if set(classes) != set(found):
         raise ValueError(f"classes {classes} are not the labels found in the rows {found}")
     check_label_features(engine.task, classes, config.with_label_logprobs)
-    options = config.layer_options(int(engine.model.config.num_hidden_layers))
-    layers = tuple(sorted({k for option in options for k in option}))
-    features = engine.features(texts, config.with_label_logprobs, progress, config.states, layers).numpy()  # (N, F)
     index = {label: j for j, label in enumerate(classes)}
-    tensors, report = fit_tuned(features, np.array([index[label] for label in labels]), config, options,
-                                int(engine.model.config.hidden_size))
-    info = {"identity": identity(engine.model, engine.tokenizer, engine.task), "task": task_spec(engine.task),
+    extra_texts, extra_labels = label_texts(engine.task, classes) if config.label_rows != "none" else ([], [])
+    depth, hidden = int(engine.model.config.num_hidden_layers), int(engine.model.config.hidden_size)
+    tasks, candidates = prompt_tasks(engine.task, config.prompt), {}
+    for name, task in tasks.items():
+        reader = engine if task == engine.task else engine.with_task(task)
+        resolved = config.resolved(task)
+        options = resolved.layer_options(depth)
+        layers = tuple(sorted({k for option in options for k in option}))
+        features = reader.features(texts + extra_texts, config.with_label_logprobs, progress, resolved.states,
+                                   layers).numpy()  # (N + M, F)
+        candidates[name] = Candidate(features[:len(texts)], features[len(texts):], resolved, options, hidden)
+    label_rows = ["none", "names"] if config.label_rows == "auto" else [config.label_rows]
+    prompt, tensors, report = fit_options(candidates, np.array([index[label] for label in labels]),
+                                          np.array([index[label] for label in extra_labels], dtype=int), label_rows)
+    task = tasks[prompt]
+    info = {"identity": identity(engine.model, engine.tokenizer, task), "task": task_spec(task),
             "cv": report.to_dict(), "num_examples": len(texts), "examples_per_label": dict(sorted(Counter(labels)
             .items())), "slimroute": version("slimroute"), **(meta or {})}
-    return Head(tuple(classes), **tensors, features=config.features, meta=info, layers=report.layers), report
+    if report.label_rows == "names":
+        info["label_rows"] = extra_texts
+    return (Head(tuple(classes), **tensors, features=candidates[prompt].config.features, meta=info,
+                 layers=report.layers), report)
+
+
+def feature_rows(task: Task, config: TuneConfig, classes: list[str], num_texts: int) -> int:
+    """How many texts tune_head reads (its progress total): the rows and the label rows, under each prompt."""
+    extra = len(label_texts(task, classes)[0]) if config.label_rows != "none" else 0
+    return len(prompt_tasks(task, config.prompt)) * (num_texts + extra)
 
 
 def parse_layer(text: str) -> int | str | None:
@@ -246,36 +202,6 @@ def parse_layer(text: str) -> int | str | None:
     if not text.isdigit() or int(text) < 1:
         raise ValueError(f"--layer must be auto, none or a decoder layer number >= 1, got {text!r}")
     return int(text)
-
-
-def layer_name(option: tuple[int, ...]) -> str:
-    return "final states" if not option else "+ layer " + ", ".join(map(str, option))
-
-
-def option_columns(num_features: int, width: int, hidden: int, layers: list[int], option: tuple[int, ...]
-                   ) -> np.ndarray:
-    """The columns of features laid out as [final states (width), the mean of each of `layers` (hidden each),
-    label log-probs (the rest)] that a head reading the layers of `option` takes."""
-    picked = [np.arange(width)] + [width + hidden * layers.index(k) + np.arange(hidden) for k in option]
-    return np.concatenate(picked + [np.arange(width + hidden * len(layers), num_features)])
-
-
-def fit_tuned(features: np.ndarray, y: np.ndarray, config: TuneConfig, options: list[tuple[int, ...]],
-              hidden: int) -> tuple[dict, CVReport]:
-    """fit_head after choosing the layer option. features (N, F): the final states (config.states), then the
-    mean of each layer in sorted(union of options), H each, then the label log-probs if the config has them."""
-    layers = sorted({k for option in options for k in option})
-
-    def columns(option: tuple[int, ...]) -> np.ndarray:
-        return option_columns(features.shape[1], hidden * (2 if config.with_mean else 1), hidden, layers, option)
-
-    scores = {}
-    if len(options) > 1:
-        lda = replace(config, classifier="lda")
-        scores = {layer_name(option): _cv_scores(features[:, columns(option)], y, lda)[0]["lda"] for option in options}
-    best = max(options, key=lambda option: scores.get(layer_name(option), 0.0))  # ties: the first (fewer features)
-    tensors, report = fit_head(features[:, columns(best)], y, config)
-    return tensors, replace(report, layers=best, layer_scores=scores)
 
 
 DESCRIPTION_SCALE = 100.0  # logits = scale x cosine similarity: sets the head's probabilities, not its decisions
@@ -343,12 +269,16 @@ def summary_rows(head: Head, report: CVReport, labels: list[str]) -> list[tuple[
     counts = Counter(labels)
     candidates = ", ".join(f"{name} {100 * acc:.1f}%" for name, acc in report.scores.items())
     layers = f" + mean of layer {', '.join(map(str, head.layers))}" if head.layers else ""
-    if report.layer_scores:
-        tried = ", ".join(f"{name} {100 * acc:.1f}%" for name, acc in report.layer_scores.items())
-        layers += f" (LDA CV: {tried})"
-    return [("rows", f"{len(labels)} ({len(counts)} labels, {min(counts.values())} to {max(counts.values())} "
+    template = head.task.template
+    prompt = f"{report.prompt}: " + (repr(template) if template is not None else "the task's chat prompt")
+    rows = [("rows", f"{len(labels)} ({len(counts)} labels, {min(counts.values())} to {max(counts.values())} "
                      "per label)"),
-            ("features", f"{head.features}{layers} ({head.weight.shape[1]})"),
-            ("classifier", f"{report.chosen} (of {candidates})"),
-            ("CV accuracy", f"{100 * report.accuracy:.1f}%"),
-            ("CV macro-F1", f"{100 * report.macro_f1:.1f}%")]
+            ("prompt", prompt),
+            ("label rows", "the label names as training rows" if report.label_rows == "names" else "none"),
+            ("features", f"{head.features}{layers} ({head.weight.shape[1]})")]
+    if report.option_scores:
+        rows.append(("options (LDA CV)", ", ".join(f"{name} {100 * acc:.1f}%"
+                                                    for name, acc in report.option_scores.items())))
+    return rows + [("classifier", f"{report.chosen} (of {candidates})"),
+                   ("CV accuracy", f"{100 * report.accuracy:.1f}%"),
+                   ("CV macro-F1", f"{100 * report.macro_f1:.1f}%")]

@@ -144,7 +144,7 @@ def run_accuracy_bench(n=600, model="qwen2.5-coder-0.5b", dtype="auto", threads=
         start = time.perf_counter()
         head = make()
         setup_s = time.perf_counter() - start
-        router = zero_shot.with_task(zero_shot.task, head)
+        router = zero_shot.with_task(head.task, head)  # the prompt the head reads (tune: the representation one)
         engine = router.engine
         engine.classify(texts[:4])
         start = time.perf_counter()

@@ -30,15 +30,29 @@ def tune(
     with_label_logprobs: bool = typer.Option(False, "--with-label-logprobs",
                                              help="Also use the task labels' log-probs as features (the task's "
                                                   "labels must then be the rows' labels)."),
-    states: str = typer.Option("last+mean", "--states",
-                               help="Hidden states as features: 'last' (the item's last token) or 'last+mean' "
-                                    "(also their mean over the item's tokens; same forward pass)."),
+    prompt: str = typer.Option("represent", "--prompt",
+                               help="The prompt the features are read through: represent (a raw prompt written for "
+                                    "representation, prompts.REPRESENTATION_TEMPLATE), task (the task's chat "
+                                    "prompt), auto (both, chosen by cross-validation: twice the reading), or a "
+                                    "template of your own holding {text}."),
+    label_rows: str = typer.Option("auto", "--label-rows",
+                                   help="Add each label's name (and description) as one more training row: auto "
+                                        "(by cross-validation), none or names."),
+    per_label: int = typer.Option(None, "--per-label",
+                                  help="Tune on N rows of each label only: the first N in file order."),
+    sample_seed: int = typer.Option(None, "--sample-seed",
+                                    help="With --per-label: a random N of each label, drawn with this seed."),
+    states: str = typer.Option("auto", "--states",
+                               help="Hidden states as features: 'last' (the item's last token), 'last+mean' "
+                                    "(also their mean over the item's tokens; same forward pass) or auto (last+mean "
+                                    "for a chat prompt, last for a template)."),
     classifier: str = typer.Option("auto", "--classifier",
                                    help="auto (the best in cross-validation), logistic or lda."),
     layer: str = typer.Option("auto", "--layer",
                               help="Also use the mean of one decoder layer's output over the item's tokens: auto "
-                                   "(none, or the layer a quarter, half or three quarters up, by cross-validation), "
-                                   "none, or a layer number. Same forward pass."),
+                                   "(a chat prompt: none, or the layer a quarter, half or three quarters up, by "
+                                   "cross-validation; a template: none), none, or a layer number. Same forward "
+                                   "pass."),
     folds: int = typer.Option(5, "--folds", help="Cross-validation folds (each label needs this many rows)."),
     from_descriptions: bool = typer.Option(False, "--from-descriptions",
                                            help="No labelled rows: build the head from the label descriptions of "
@@ -47,10 +61,10 @@ def tune(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace the head already in --out."),
 ):
     """Tune a head on labelled rows: a linear classifier (logistic regression at a few regularisation
-    strengths, or shrinkage LDA, chosen by cross-validation) on the model's final hidden states. Prints the
-    cross-validated accuracy and macro-F1 and writes OUT.
+    strengths, or shrinkage LDA, chosen by cross-validation) on the model's final hidden states, read through
+    --prompt. Prints the cross-validated accuracy and macro-F1 and writes OUT.
 
-    The prompt is --task/--labels if given, else the rows' labels (sorted) with --instructions.
+    The task is --task/--labels if given, else the rows' labels (sorted) with --instructions.
     With --from-descriptions and no input, the head comes from --task's label descriptions instead."""
     if from_descriptions:
         return tune_from_descriptions(input, out, labels, instructions, task, model, dtype, threads, device,
@@ -61,12 +75,17 @@ def tune(
             raise ValueError("no input: give a labelled file to tune on, or --from-descriptions with a --task "
                              "whose labels are described")
         check_out(out, overwrite)
-        if states not in ("last", "last+mean"):
-            raise ValueError(f"--states must be 'last' or 'last+mean', got {states!r}")
+        if states not in ("auto", "last", "last+mean"):
+            raise ValueError(f"--states must be 'auto', 'last' or 'last+mean', got {states!r}")
+        if sample_seed is not None and per_label is None:
+            raise ValueError("--sample-seed draws --per-label rows; give --per-label N too")
         config = tuning.TuneConfig(folds=folds, with_label_logprobs=with_label_logprobs,
-                                   with_mean=states == "last+mean", classifier=classifier,
-                                   layer=tuning.parse_layer(layer))
+                                   with_mean=None if states == "auto" else states == "last+mean",
+                                   classifier=classifier, layer=tuning.parse_layer(layer), prompt=prompt,
+                                   label_rows=label_rows)
         texts, golds = tuning.labelled_rows(read_input(input, text_column, "id", label_column, limit), label_column)
+        if per_label is not None:
+            texts, golds = picked_rows(texts, golds, per_label, sample_seed)
         classes = tuning.check_labelled(texts, golds, config.folds)
         the_task = (build_task(labels, instructions, task, truncate_tokens=truncate_tokens) if labels or task
                     else Task(tuple(classes), instructions or DEFAULT_INSTRUCTIONS).truncated_to(truncate_tokens))
@@ -77,7 +96,7 @@ def tune(
     except (ValueError, ModelNotFoundError) as exc:
         ui.fail(str(exc))
     with ui.progress_bar() as bar:
-        task_id = bar.add_task("features", total=len(texts), rate="-")
+        task_id = bar.add_task("features", total=tuning.feature_rows(the_task, config, classes, len(texts)), rate="-")
         start = time.perf_counter()
 
         def advance(n):
@@ -92,6 +111,18 @@ def tune(
         table.add_row(name, value)
     ui.console.print(table)
     ui.console.print(f"wrote {out / 'head.safetensors'} and {out / 'head.json'}")
+
+
+def picked_rows(texts: list[str], golds: list[str], n: int, seed: int | None) -> tuple[list[str], list[str]]:
+    """--per-label: n rows of each label (tune.per_label), saying which labels have fewer."""
+    keep, short = tuning.per_label(golds, n, seed)
+    if short:
+        listed = ", ".join(f"{label!r} ({count})" for label, count in list(short.items())[:5])
+        more = f" and {len(short) - 5} more" if len(short) > 5 else ""
+        ui.console.print(f"note: {len(short)} label(s) have fewer than {n} rows, all of them taken: {listed}{more}")
+    how = f"a random {n} (seed {seed})" if seed is not None else f"the first {n}"
+    ui.console.print(f"tuning on {how} rows of each label: {len(keep)} of {len(texts)} rows")
+    return [texts[i] for i in keep], [golds[i] for i in keep]
 
 
 def tune_from_descriptions(input, out, labels, instructions, task, model, dtype, threads, device, config, overwrite,

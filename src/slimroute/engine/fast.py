@@ -89,6 +89,10 @@ class Engine(Classifier):
         return cls(loaded.model, loaded.tokenizer, task, config, loaded.max_positions, head=head,
                    calibration=calibration)
 
+    def with_task(self, task: Task, head=None) -> Engine:
+        """This engine's model, tokenizer and settings on another task (another prompt: its own prefix cache)."""
+        return Engine(self.model, self.tokenizer, task, self.config, self.max_positions, head=head)
+
     def _recheck(self) -> Callable[[str], Prediction] | None:
         if self.config.recheck_margin is None or self._given_recheck is not None:
             return self._given_recheck
