@@ -31,6 +31,27 @@ def test_limit_arithmetic():
     assert limit.share == pytest.approx((600 / 40.0) / limit.items_per_s)
 
 
+def test_paired_limit_takes_the_medians_of_turns_and_of_their_ratios(monkeypatch):
+    import slimroute.bench.limit as limit_module
+
+    clock, turns = [0.0], iter([(4.0, 3.0), (9.0, 3.5), (5.0, 4.5)])  # (row s, GEMM s) of each turn; one busy row
+    seconds = {}
+    monkeypatch.setattr(limit_module.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(limit_module, "replay", lambda calls, passes: seconds.pop("gemm"))
+    monkeypatch.setattr(limit_module, "large_gemm_rate", lambda calls: 1e12)
+
+    def run():
+        row, gemm = next(turns)
+        clock[0] += row
+        seconds["gemm"] = gemm
+
+    calls = [limit_module.GemmCall(lambda x: x, 4, 8, torch.float32, "float", 16)]
+    limit = Limit.paired(10, run, calls, passes=3)
+    assert (limit.row_seconds, limit.gemm_seconds, limit.passes) == (5.0, 3.5, 3)
+    assert limit.share == pytest.approx(0.75)  # median of 3/4, 3.5/9, 4.5/5: the busy turn is an outlier
+    assert limit.to_dict()["share"] == limit.share and limit.macs == 4 * 8 * 16
+
+
 def test_int8_gemms_recorded_one_per_linear_layer_per_pass_with_the_passes_rows():
     model, tok = int8_model("qwen2")
     engine = _engine(model, tok)

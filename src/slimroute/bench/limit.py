@@ -2,17 +2,20 @@
 
 `GemmCalls` records every GEMM the decoder's linear layers run while an engine classifies (which layer, how many
 rows); `replay` runs those same GEMMs again, in the same order, on inputs of the same shapes and kinds, and times
-them alone (the best of a few passes: the limit is what they do at their fastest). items / that time is the speed
-the run would have if everything around the GEMMs (norms, rotary embeddings, attention, quantising rows, copies, the
-label scorer, Python) took no time: the row's *share of the limit* is the GEMM time over the row's time. The output
-head / label scorer is not a decoder layer and stays out. `large_gemm_rate` measures how fast this CPU runs one large
-GEMM of the same kind (the model's widest layer on 2048 rows), so the decoder GEMMs' own rate has a yardstick.
+them alone. items / that time is the speed the run would have if everything around the GEMMs (norms, rotary
+embeddings, attention, quantising rows, copies, the label scorer, Python) took no time: the row's *share of the
+limit* is the GEMM time over the row's time. `Limit.paired` times the row and the replay in turns, a few times, and
+takes the median of each and of their ratios, so a busy moment of a noisy machine falls on both sides or on neither.
+The output head / label scorer is not a decoder layer and stays out. `large_gemm_rate` measures how fast this CPU runs
+one large GEMM of the same kind (the model's widest layer, the best of a few row counts: at the most rows its fp32
+output outgrows the caches), so the decoder GEMMs' own rate has a yardstick.
 
 `profile_ops` runs a classifier under torch's profiler and gives the top ops by self time, with the decoder GEMMs'
 share from the same run (they are marked with a profiler range, DECODER_GEMM)."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -92,22 +95,27 @@ def replay(calls: list[GemmCall], passes: int = 3) -> float:
     return best
 
 
-LARGE_ROWS = 2048  # the rows of large_gemm_rate's GEMM: far past what blocking or threading leaves idle
+LARGE_ROWS = (256, 512, 1024, 2048)  # large_gemm_rate's row counts: past what blocking or threading leaves idle;
+# at 2048 rows the widest layer's fp32 output (80 MB for 9728 columns) no longer fits a CPU's caches
 
 
-def large_gemm_rate(calls: list[GemmCall], passes: int = 5) -> float:
-    """Multiply-adds per second of one large GEMM of the recorded kind: the widest recorded layer (in x out) on
-    LARGE_ROWS rows, the best of `passes` calls: the yardstick for the decoder GEMMs' own rate."""
+def large_gemm_rate(calls: list[GemmCall], passes: int = 3) -> float:
+    """Multiply-adds per second of one large GEMM of the recorded kind: the widest recorded layer (in x out) on each
+    of LARGE_ROWS rows, the best of `passes` calls each, the fastest of them: the yardstick for the decoder GEMMs'
+    own rate."""
     widest = max(calls, key=lambda call: call.in_features * call.out_features)
-    x = _inputs(LARGE_ROWS, widest.in_features, widest.dtype, widest.kernel)
-    best = float("inf")
+    rate = 0.0
     with torch.inference_mode():
-        widest.gemm(x)
-        for _ in range(passes):
-            start = time.perf_counter()
+        for rows in LARGE_ROWS:
+            x = _inputs(rows, widest.in_features, widest.dtype, widest.kernel)
             widest.gemm(x)
-            best = min(best, time.perf_counter() - start)
-    return LARGE_ROWS * widest.in_features * widest.out_features / best
+            best = float("inf")
+            for _ in range(passes):
+                start = time.perf_counter()
+                widest.gemm(x)
+                best = min(best, time.perf_counter() - start)
+            rate = max(rate, rows * widest.in_features * widest.out_features / best)
+    return rate
 
 
 def _inputs(rows: int, width: int, dtype: torch.dtype, kernel: str) -> torch.Tensor:
@@ -130,12 +138,28 @@ class Limit:
     num_gemms: int
     macs: int = 0
     large_rate: float = 0.0
+    paired_share: float | None = None  # Limit.paired: the median of the passes' own GEMM / row time ratios
+    passes: int = 1
 
     @classmethod
     def of(cls, items: int, row_seconds: float, calls: list[GemmCall]) -> Limit:
         """The limit of a row that ran these GEMMs: replayed, and one large GEMM of their kind timed."""
         return cls(items, row_seconds, replay(calls), len(calls), sum(call.macs for call in calls),
                    large_gemm_rate(calls))
+
+    @classmethod
+    def paired(cls, items: int, run: Callable[[], object], calls: list[GemmCall], passes: int = 3) -> Limit:
+        """The limit of a row that ran these GEMMs, measured in turns: `passes` times the row again (run()) and
+        then its GEMMs alone (one replay); the medians of the row's seconds, the GEMMs' seconds and their ratios."""
+        rows, gemms = [], []
+        for _ in range(passes):
+            start = time.perf_counter()
+            run()
+            rows.append(time.perf_counter() - start)
+            gemms.append(replay(calls, passes=1))
+        return cls(items, statistics.median(rows), statistics.median(gemms), len(calls),
+                   sum(call.macs for call in calls), large_gemm_rate(calls),
+                   statistics.median(g / r for g, r in zip(gemms, rows, strict=True)), passes)
 
     @property
     def rate(self) -> float:
@@ -154,13 +178,15 @@ class Limit:
 
     @property
     def share(self) -> float:
-        """The row's items/s as a share of the limit's (= GEMM seconds / row seconds)."""
-        return self.gemm_seconds / self.row_seconds
+        """The row's items/s as a share of the limit's (= GEMM seconds / row seconds; paired: the median of the
+        passes' own ratios)."""
+        return self.paired_share if self.paired_share is not None else self.gemm_seconds / self.row_seconds
 
     def to_dict(self) -> dict:
         return {"items_per_s": self.items_per_s, "share": self.share, "gemm_seconds": self.gemm_seconds,
                 "num_gemms": self.num_gemms, "macs": self.macs, "gemm_mac_per_s": self.rate,
-                "large_gemm_mac_per_s": self.large_rate, "gemm_efficiency": self.efficiency}
+                "large_gemm_mac_per_s": self.large_rate, "gemm_efficiency": self.efficiency,
+                "row_seconds": self.row_seconds, "passes": self.passes}
 
 
 def profile_ops(classifier, texts: list[str], top: int = 15) -> dict:

@@ -347,37 +347,85 @@ static void scores_of(const Run *run, i64 row, i64 kv_heads, i64 h, i64 d, i64 c
     }
 }
 
-/* o[j] += e[k] * value_k[j] for the run's first `count` keys, in order of k: PARTS vectors of o in registers. */
-#define WEIGHTED_SUM(PARTS)                                                                                        \
-    static void weighted_sum_##PARTS(const float *v, i64 d, i64 count, const float *e, float *o) {                 \
-        vec acc[PARTS];                                                                                            \
-        for (int p = 0; p < PARTS; ++p) acc[p] = VLOAD(o + p * VL);                                                \
-        for (i64 k = 0; k < count; ++k) {                                                                          \
-            const vec w = VSET1(e[k]);                                                                             \
-            for (int p = 0; p < PARTS; ++p) acc[p] = VFMA(w, VLOAD(v + k * d + p * VL), acc[p]);                   \
-        }                                                                                                          \
-        for (int p = 0; p < PARTS; ++p) VSTORE(o + p * VL, acc[p]);                                                \
+/* o[g][j] = sum over the keys k of runs a, b, c in that order of e[g][k] * value_k[j], one fmaf after the other from
+   0, for G groups at once (each value vector is loaded once for all of them): G x PARTS vectors of o in registers. */
+#define WEIGHTED_SUM(G, PARTS)                                                                                     \
+    static void weighted_sum_##G##_##PARTS(const float *const *v, const i64 *count, const float *e, i64 stride,    \
+                                           i64 d, float *o) {                                                      \
+        vec acc[G][PARTS];                                                                                         \
+        for (int g = 0; g < G; ++g)                                                                                \
+            for (int p = 0; p < PARTS; ++p) acc[g][p] = VZERO();                                                   \
+        for (int r = 0, base = 0; r < 3; base += (int)count[r], ++r)                                              \
+            for (i64 k = 0; k < count[r]; ++k) {                                                                   \
+                vec value[PARTS];                                                                                  \
+                for (int p = 0; p < PARTS; ++p) value[p] = VLOAD(v[r] + k * d + p * VL);                           \
+                for (int g = 0; g < G; ++g) {                                                                      \
+                    const vec w = VSET1(e[g * stride + base + k]);                                                 \
+                    for (int p = 0; p < PARTS; ++p) acc[g][p] = VFMA(w, value[p], acc[g][p]);                      \
+                }                                                                                                  \
+            }                                                                                                      \
+        for (int g = 0; g < G; ++g)                                                                                \
+            for (int p = 0; p < PARTS; ++p) VSTORE(o + g * d + p * VL, acc[g][p]);                                 \
     }
-WEIGHTED_SUM(1)
-WEIGHTED_SUM(2)
-WEIGHTED_SUM(4)
-WEIGHTED_SUM(8)
+WEIGHTED_SUM(1, 1)
+WEIGHTED_SUM(2, 1)
+WEIGHTED_SUM(4, 1)
+WEIGHTED_SUM(1, 2)
+WEIGHTED_SUM(2, 2)
+WEIGHTED_SUM(4, 2)
+WEIGHTED_SUM(1, 4)
+WEIGHTED_SUM(2, 4)
+WEIGHTED_SUM(3, 4)
+WEIGHTED_SUM(4, 4)
+WEIGHTED_SUM(1, 8)
+WEIGHTED_SUM(2, 8)
 
-static void weighted_sum(const Run *run, i64 row, i64 kv_heads, i64 h, i64 d, i64 count, const float *e, float *o) {
-    const float *v = run->values + (row * kv_heads + h) * run->cap * d;
-    if (count <= 0) return;
-    switch (d % VL == 0 ? d / VL : 0) {
-    case 1: weighted_sum_1(v, d, count, e, o); return;
-    case 2: weighted_sum_2(v, d, count, e, o); return;
-    case 4: weighted_sum_4(v, d, count, e, o); return;
-    case 8: weighted_sum_8(v, d, count, e, o); return;
-    default:
-        for (i64 k = 0; k < count; ++k)
-            for (i64 j = 0; j < d; ++j) o[j] = fmaf(e[k], v[k * d + j], o[j]);
+/* The weighted sums of `groups` groups whose softmax terms are e[g * stride + k] (keys of runs a, b, c side by
+   side), over the runs' values v[r] (d wide) into o[g * d + j]: as many groups at once as registers allow. */
+static void weighted_sums(const float *const *v, const i64 *count, const float *e, i64 stride, i64 groups, i64 d,
+                          float *o) {
+    const i64 parts = d % VL == 0 ? d / VL : 0;
+    for (i64 g0 = 0; g0 < groups;) {
+        const i64 left = groups - g0;
+        const float *eg = e + g0 * stride;
+        float *og = o + g0 * d;
+        i64 done = 1;
+        switch (parts) {
+        case 1: done = left >= 4 ? 4 : left >= 2 ? 2 : 1;
+            if (done == 4) weighted_sum_4_1(v, count, eg, stride, d, og);
+            else if (done == 2) weighted_sum_2_1(v, count, eg, stride, d, og);
+            else weighted_sum_1_1(v, count, eg, stride, d, og);
+            break;
+        case 2: done = left >= 4 ? 4 : left >= 2 ? 2 : 1;
+            if (done == 4) weighted_sum_4_2(v, count, eg, stride, d, og);
+            else if (done == 2) weighted_sum_2_2(v, count, eg, stride, d, og);
+            else weighted_sum_1_2(v, count, eg, stride, d, og);
+            break;
+        case 4: done = left >= 4 ? 4 : left;
+            if (done == 4) weighted_sum_4_4(v, count, eg, stride, d, og);
+            else if (done == 3) weighted_sum_3_4(v, count, eg, stride, d, og);
+            else if (done == 2) weighted_sum_2_4(v, count, eg, stride, d, og);
+            else weighted_sum_1_4(v, count, eg, stride, d, og);
+            break;
+        case 8: done = left >= 2 ? 2 : 1;
+            if (done == 2) weighted_sum_2_8(v, count, eg, stride, d, og);
+            else weighted_sum_1_8(v, count, eg, stride, d, og);
+            break;
+        default: /* any other head size: one group at a time, scalar */
+            for (i64 j = 0; j < d; ++j) og[j] = 0.0f;
+            for (int r = 0, base = 0; r < 3; base += (int)count[r], ++r)
+                for (i64 k = 0; k < count[r]; ++k)
+                    for (i64 j = 0; j < d; ++j) og[j] = fmaf(eg[base + k], v[r][k * d + j], og[j]);
+        }
+        g0 += done;
     }
 }
 
 /* The softmax of one group's n scaled scores in place (e_k, the tail up to BLOCK zeroed) and its total. */
+static const float *run_values(const Run *run, i64 row, i64 kv_heads, i64 h, i64 d) {
+    return run->values ? run->values + (row * kv_heads + h) * run->cap * d : NULL;
+}
+
 static float softmax_terms(float *s, i64 n) {
     const i64 padded = (n + BLOCK - 1) / BLOCK * BLOCK;
     for (i64 k = n; k < padded; ++k) s[k] = -INFINITY;
@@ -422,7 +470,7 @@ void sr_attention(i64 rows, const i64 *row_start, i64 heads, i64 kv_heads, i64 d
 #pragma omp parallel num_threads(threads)
     {
         float *scores = (float *)malloc(sizeof(float) * stride * groups);
-        float *acc = (float *)malloc(sizeof(float) * d);
+        float *totals = (float *)malloc(sizeof(float) * groups);
 #pragma omp for schedule(dynamic, 1) collapse(2)
         for (i64 r = 0; r < rows; ++r)
             for (i64 h = 0; h < kv_heads; ++h)
@@ -437,16 +485,15 @@ void sr_attention(i64 rows, const i64 *row_start, i64 heads, i64 kv_heads, i64 d
                     scores_of(&a, 0, kv_heads, h, d, na, qh, groups, scaling, scores, stride);
                     scores_of(&b, r % rows_b, kv_heads, h, d, nb, qh, groups, scaling, scores + na, stride);
                     scores_of(&c, r, kv_heads, h, d, nc, qh, groups, scaling, scores + na + nb, stride);
+                    for (i64 g = 0; g < groups; ++g) totals[g] = softmax_terms(scores + g * stride, n);
+                    const float *values[3] = {run_values(&a, 0, kv_heads, h, d), run_values(&b, r % rows_b, kv_heads,
+                                              h, d), run_values(&c, r, kv_heads, h, d)};
+                    const i64 counts[3] = {na, nb, nc};
+                    float *o = out + m * width + h * groups * d;
+                    weighted_sums(values, counts, scores, stride, groups, d, o);
                     for (i64 g = 0; g < groups; ++g) {
-                        float *e = scores + g * stride;
-                        const float total = softmax_terms(e, n);
-                        memset(acc, 0, sizeof(float) * d);
-                        weighted_sum(&a, 0, kv_heads, h, d, na, e, acc);
-                        weighted_sum(&b, r % rows_b, kv_heads, h, d, nb, e + na, acc);
-                        weighted_sum(&c, r, kv_heads, h, d, nc, e + na + nb, acc);
-                        float *o = out + m * width + (h * groups + g) * d;
-                        const float inverse = 1.0f / total;
-                        for (i64 j = 0; j < d; ++j) o[j] = acc[j] * inverse;
+                        const float inverse = 1.0f / totals[g];
+                        for (i64 j = 0; j < d; ++j) o[g * d + j] *= inverse;
                     }
                 }
         if (act_max > 0.0f) {
@@ -455,6 +502,6 @@ void sr_attention(i64 rows, const i64 *row_start, i64 heads, i64 kv_heads, i64 d
                 quantize_row(out + m * width, width, act_max, shift, q, m * width, scales + m);
         }
         free(scores);
-        free(acc);
+        free(totals);
     }
 }
