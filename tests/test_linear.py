@@ -12,7 +12,7 @@ from slimroute.engine.fast import Engine
 from slimroute.engine.reference import ReferenceClassifier
 from slimroute.runtime.attention import pick_attention, set_attention
 from slimroute.runtime.cpu import detect
-from slimroute.runtime.dtypes import BF16_EMULATED_BOUND, exactness
+from slimroute.runtime.dtypes import exactness
 from slimroute.runtime.linear import OneDNNLinear, onednn_failure, set_linear_kernels
 from slimroute.task import Task
 
@@ -107,6 +107,10 @@ def test_auto_attention_is_eager_only_for_bf16_on_cpu():
 
 
 BF16 = exactness("bfloat16", CPU)
+# Where oneDNN emulates bf16 (AVX-512 without AVX512-BF16: Ice Lake) slimroute claims no bound (a real model's
+# log-probs moved by 0.08, dtypes.exactness); the tests' tiny models stay within this one (2.5e-5 measured on the
+# tiny Llama, held to Ice Lake's ISA and on a real Ice Lake), so a change that makes them worse still shows.
+TINY_EMULATED_BF16_BOUND = 1e-4
 
 
 @needs_bf16
@@ -117,11 +121,12 @@ def test_bf16_fast_path_gives_the_reference_within_its_bound_with_auto_attention
     """bf16 with the CPU defaults (oneDNN linear, eager attention): the cached, padded, batched engine gives the
     reference's log-probs within what bf16 claims on this CPU (dtypes.exactness), whatever the batch size: with
     native BF16 dot products 1e-5 (fp32 rounding of the normaliser); where oneDNN emulates BF16 (AVX-512 without
-    AVX512-BF16: Ice Lake; measured 2.5e-5 on the tiny Llama) the bf16 bound."""
+    AVX512-BF16: Ice Lake), where slimroute claims no bound, what the tiny models give there."""
     model, tok = tiny_model(arch, dtype=torch.bfloat16)
     set_linear_kernels(model, "auto")
     assert set_attention(model, "auto") == "eager"
-    assert BF16.max_abs_logprob_diff == (1e-5 if CPU.native_bf16 else BF16_EMULATED_BOUND)
+    assert BF16.max_abs_logprob_diff == (1e-5 if CPU.native_bf16 else None)
+    bound = BF16.max_abs_logprob_diff if CPU.native_bf16 else TINY_EMULATED_BF16_BOUND
     rng = random.Random(0)
     texts = [make_text(rng, rng.choice([1, 5, 30, 120])) for _ in range(40)]
     task = Task(("Technical Support", "Technical Sales", "billing", "account"))
@@ -131,7 +136,7 @@ def test_bf16_fast_path_gives_the_reference_within_its_bound_with_auto_attention
         fast = Engine(model, tok, task, config).classify(texts)
         assert [p.label for p in fast] == [p.label for p in ref]
         worst = max(abs(a.logprobs[k] - b.logprobs[k]) for a, b in zip(ref, fast, strict=True) for k in a.logprobs)
-        assert worst <= BF16.max_abs_logprob_diff, (batch_size, worst, str(BF16))
+        assert worst <= bound, (batch_size, worst, str(BF16))
 
 
 def test_released_file_pages_read_back_from_the_file_and_anonymous_memory_is_left_alone(tmp_path):
