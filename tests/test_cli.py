@@ -257,6 +257,19 @@ def test_verify_holds_under_calibration(tmp_path, src, model_dir, monkeypatch):
         assert record["calibration"]["mode"] == mode
 
 
+def test_verify_warns_where_the_log_probs_differ_by_more_than_the_dtype_claims(tmp_path, src, model_dir, monkeypatch):
+    import slimroute.cli.verify as verify_cli
+    from slimroute.runtime.dtypes import Exactness
+
+    monkeypatch.setattr(cli.ui, "console", Console(stderr=True, width=1000))
+    monkeypatch.setattr(verify_cli, "exactness", lambda *a, **k: Exactness(-1.0, True, "a claim no run can meet"))
+    result = CliRunner().invoke(cli.app, ["verify", str(src), "--labels", LABELS, "--model", model_dir,
+                                          "--threads", "1", "--json", str(tmp_path / "v.json")])
+    assert result.exit_code == 0, result.output  # every label agrees: the answers hold, the claim does not
+    assert json.loads((tmp_path / "v.json").read_text())["within_expected"] is False
+    assert "claims on this CPU (-1); please report it" in result.output and "slimroute info --json" in result.output
+
+
 def test_a_fallback_floor_routes_low_probability_rows(tmp_path, src, invoke):
     plain = tmp_path / "plain.jsonl"
     assert invoke(src, "--labels", LABELS, "--out", plain).exit_code == 0

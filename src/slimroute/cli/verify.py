@@ -83,6 +83,10 @@ def verify(
         f"({ref_s / max(fast_s, 1e-9):.1f}x)"
     )
     ui.console.print(f"what {loaded.precision} gives here: {expected}", markup=False)
+    if not record["within_expected"]:  # the labels may still agree: the claim, not the answers, is what failed
+        ui.console.print(f"[yellow]warning:[/] the log-probs differ by {result.max_abs_logprob_diff:.2e}, more than "
+                         f"{loaded.precision} claims on this CPU ({expected.max_abs_logprob_diff:g}); please report it "
+                         "with the output of `slimroute info --json`")
     if result.disagreeing_ids:
         ui.console.print(f"[red]disagreeing ids:[/] {', '.join(result.disagreeing_ids[:50])}")
     if json_out:
