@@ -25,6 +25,77 @@ Two kinds of kernel:
 typedef int64_t i64;
 
 /* ---------------------------------------------------------------------------------------------------------------
+   The vector ISA this is built for: VL lanes of fp32 (AVX-512: 16, AVX2: 8, plain C: 1). Each macro is one IEEE
+   operation per lane, as its scalar form computes it (VMAX(a, b): a > b ? a : b, NaN giving b; VROUND: rintf). */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define VL 16
+typedef __m512 vec;
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VSTORE(p, v) _mm512_storeu_ps(p, v)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VSET1(x) _mm512_set1_ps(x)
+#define VZERO() _mm512_setzero_ps()
+#define VADD(a, b) _mm512_add_ps(a, b)
+#define VMUL(a, b) _mm512_mul_ps(a, b)
+#define VDIV(a, b) _mm512_div_ps(a, b)
+#define VMAX(a, b) _mm512_max_ps(a, b)
+#define VMIN(a, b) _mm512_min_ps(a, b)
+#define VABS(a) _mm512_abs_ps(a)
+#define VROUND(a) _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define VPOW2(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), \
+                                                                        _mm512_set1_epi32(127)), 23))
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define VL 8
+typedef __m256 vec;
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VSTORE(p, v) _mm256_storeu_ps(p, v)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VSET1(x) _mm256_set1_ps(x)
+#define VZERO() _mm256_setzero_ps()
+#define VADD(a, b) _mm256_add_ps(a, b)
+#define VMUL(a, b) _mm256_mul_ps(a, b)
+#define VDIV(a, b) _mm256_div_ps(a, b)
+#define VMAX(a, b) _mm256_max_ps(a, b)
+#define VMIN(a, b) _mm256_min_ps(a, b)
+#define VABS(a) _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a)
+#define VROUND(a) _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define VPOW2(n) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), \
+                                                                        _mm256_set1_epi32(127)), 23))
+#else
+#define VL 1
+typedef float vec;
+#define VLOAD(p) (*(p))
+#define VSTORE(p, v) (*(p) = (v))
+#define VFMA(a, b, c) fmaf(a, b, c)
+#define VSET1(x) (x)
+#define VZERO() 0.0f
+#define VADD(a, b) ((a) + (b))
+#define VMUL(a, b) ((a) * (b))
+#define VMAX(a, b) ((a) > (b) ? (a) : (b))
+#endif
+
+/* The largest of |x[j]| (NaNs never win; 0 for n = 0): exact in any order, so VL lanes side by side, then across. */
+static float abs_max_of(vec lanes, float top) {
+    float each[VL];
+    VSTORE(each, lanes);
+    for (int l = 0; l < VL; ++l) top = each[l] > top ? each[l] : top;
+    return top;
+}
+
+static float abs_max(const float *x, i64 n) {
+    vec lanes = VZERO();
+    i64 j = 0;
+#if VL > 1
+    for (; j + VL <= n; j += VL) lanes = VMAX(VABS(VLOAD(x + j)), lanes);
+#endif
+    float top = 0.0f;
+    for (; j < n; ++j) top = fabsf(x[j]) > top ? fabsf(x[j]) : top;
+    return abs_max_of(lanes, top);
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
    ATen's sum over a contiguous row (aten/src/ATen/native/cpu/SumKernel.cpp: vectorized_inner_sum -> row_sum with 4
    accumulators -> multi_row_sum's cascade of 4 levels), of x[j] * x[j]: what `x.pow(2).mean(-1)` adds up. */
 static i64 ceil_log2(i64 x) {
@@ -83,17 +154,8 @@ static float sum_of_squares(const float *x, i64 n) {
 /* ---------------------------------------------------------------------------------------------------------------
    Row quantisation (int8.py's _to_ints): scale = max |x| / act_max (1 where that is not > 0), q = round-half-even(x /
    scale); written as floats (fbgemm adds its zero point itself) or as uint8 q + shift (oneDNN). */
-static void quantize_row(const float *x, i64 n, float act_max, int shift, void *q, i64 q_offset, float *scale) {
-    float lanes[16] = {0.0f}; /* a max is exact in any order: 16 lanes side by side, then across them */
-    i64 j = 0;
-    for (; j + 16 <= n; j += 16)
-        for (int l = 0; l < 16; ++l) {
-            const float a = fabsf(x[j + l]);
-            lanes[l] = a > lanes[l] ? a : lanes[l];
-        }
-    float top = 0.0f;
-    for (; j < n; ++j) top = fabsf(x[j]) > top ? fabsf(x[j]) : top;
-    for (int l = 0; l < 16; ++l) top = lanes[l] > top ? lanes[l] : top;
+static void quantize_with(const float *x, i64 n, float top, float act_max, int shift, void *q, i64 q_offset,
+                          float *scale) {
     float s = top / act_max;
     s = s > 0.0f ? s : 1.0f;
     *scale = s;
@@ -104,6 +166,10 @@ static void quantize_row(const float *x, i64 n, float act_max, int shift, void *
         float *out = (float *)q + q_offset;
         for (i64 j = 0; j < n; ++j) out[j] = rintf(x[j] / s);
     }
+}
+
+static void quantize_row(const float *x, i64 n, float act_max, int shift, void *q, i64 q_offset, float *scale) {
+    quantize_with(x, n, abs_max(x, n), act_max, shift, q, q_offset, scale);
 }
 
 void sr_quantize(i64 rows, i64 n, const float *x, float act_max, int shift, void *q, float *scales, int threads) {
@@ -135,8 +201,22 @@ void sr_add_norm_quantize(i64 rows, i64 n, float *x, const float *delta, const f
             const float var = sum_of_squares(row, n) / (float)n;
             const float inv = 1.0f / sqrtf(var + eps);
             float *dst = normed ? normed : out + r * n;
-            for (i64 j = 0; j < n; ++j) dst[j] = weight[j] * (row[j] * inv);
-            if (normed) quantize_row(normed, n, act_max, shift, q, r * n, scales + r);
+            vec top = VZERO(); /* max |dst|, found on the way */
+            i64 j = 0;
+#if VL > 1
+            const vec iv = VSET1(inv);
+            for (; j + VL <= n; j += VL) {
+                const vec value = VMUL(VLOAD(weight + j), VMUL(VLOAD(row + j), iv));
+                VSTORE(dst + j, value);
+                top = VMAX(VABS(value), top);
+            }
+#endif
+            float tail = 0.0f;
+            for (; j < n; ++j) {
+                dst[j] = weight[j] * (row[j] * inv);
+                tail = fabsf(dst[j]) > tail ? fabsf(dst[j]) : tail;
+            }
+            if (normed) quantize_with(normed, n, abs_max_of(top, tail), act_max, shift, q, r * n, scales + r);
         }
         free(normed);
     }
@@ -176,6 +256,24 @@ static inline float sr_exp(float x) {
     return p * two.f;
 }
 
+/* sr_exp on VL lanes at once: the same operations, so the same bits in each lane. */
+#if VL > 1
+static inline vec sr_vexp(vec x) {
+    x = VMIN(VSET1(88.0f), VMAX(VSET1(-87.0f), x));
+    const vec n = VROUND(VMUL(x, VSET1(1.44269504088896341f)));
+    vec r = VFMA(n, VSET1(-0.693359375f), x);
+    r = VFMA(n, VSET1(2.12194440e-4f), r);
+    vec p = VSET1(1.9875691500e-4f);
+    p = VFMA(p, r, VSET1(1.3981999507e-3f));
+    p = VFMA(p, r, VSET1(8.3334519073e-3f));
+    p = VFMA(p, r, VSET1(4.1665795894e-2f));
+    p = VFMA(p, r, VSET1(1.6666665459e-1f));
+    p = VFMA(p, r, VSET1(5.0000001201e-1f));
+    p = VADD(VFMA(p, VMUL(r, r), r), VSET1(1.0f));
+    return VMUL(p, VPOW2(n));
+}
+#endif
+
 /* The gated MLP's middle (int8.py's _gated_to_ints): from the gate and up projections' products (rows of [gate |
    up], 2 * n wide) and their input rows' scales, h = silu(gate * s) * (up * s), silu(g) = g / (1 + exp(-g)),
    quantised per row for the down projection. */
@@ -189,11 +287,24 @@ void sr_gated_quantize(i64 rows, i64 n, const float *gate_up, i64 gate_stride, c
             const float *g = gate_up + r * gate_stride;
             const float *u = up_ptr + r * up_stride;
             const float s = scale[r];
-            for (i64 j = 0; j < n; ++j) {
+            vec top = VZERO(); /* max |h|, found on the way */
+            i64 j = 0;
+#if VL > 1
+            const vec sv = VSET1(s), one = VSET1(1.0f), minus = VSET1(-1.0f);
+            for (; j + VL <= n; j += VL) {
+                const vec a = VMUL(VLOAD(g + j), sv);
+                const vec value = VMUL(VDIV(a, VADD(one, sr_vexp(VMUL(a, minus)))), VMUL(VLOAD(u + j), sv));
+                VSTORE(h + j, value);
+                top = VMAX(VABS(value), top);
+            }
+#endif
+            float tail = 0.0f;
+            for (; j < n; ++j) {
                 const float a = g[j] * s;
                 h[j] = (a / (1.0f + sr_exp(-a))) * (u[j] * s);
+                tail = fabsf(h[j]) > tail ? fabsf(h[j]) : tail;
             }
-            quantize_row(h, n, act_max, shift, q, r * n, scales + r);
+            quantize_with(h, n, abs_max_of(top, tail), act_max, shift, q, r * n, scales + r);
         }
         free(h);
     }
@@ -257,42 +368,6 @@ void sr_qkv_rotary(i64 tokens, i64 heads, i64 kv_heads, i64 d, const float *prod
    Queries are a pass's tokens, packed (tokens, heads, d): row r's are [row_start[r], row_start[r + 1]); out (tokens,
    heads * d), then each out row quantised for o_proj when act_max > 0 (into q / scales). Grouped-query attention:
    query head h reads kv head h / (heads / kv_heads). */
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define VL 16
-typedef __m512 vec;
-#define VLOAD(p) _mm512_loadu_ps(p)
-#define VSTORE(p, v) _mm512_storeu_ps(p, v)
-#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define VSET1(x) _mm512_set1_ps(x)
-#define VZERO() _mm512_setzero_ps()
-#define VADD(a, b) _mm512_add_ps(a, b)
-#define VMUL(a, b) _mm512_mul_ps(a, b)
-#define VMAX(a, b) _mm512_max_ps(a, b)
-#elif defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define VL 8
-typedef __m256 vec;
-#define VLOAD(p) _mm256_loadu_ps(p)
-#define VSTORE(p, v) _mm256_storeu_ps(p, v)
-#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define VSET1(x) _mm256_set1_ps(x)
-#define VZERO() _mm256_setzero_ps()
-#define VADD(a, b) _mm256_add_ps(a, b)
-#define VMUL(a, b) _mm256_mul_ps(a, b)
-#define VMAX(a, b) _mm256_max_ps(a, b)
-#else
-#define VL 1
-typedef float vec;
-#define VLOAD(p) (*(p))
-#define VSTORE(p, v) (*(p) = (v))
-#define VFMA(a, b, c) fmaf(a, b, c)
-#define VSET1(x) (x)
-#define VZERO() 0.0f
-#define VADD(a, b) ((a) + (b))
-#define VMUL(a, b) ((a) * (b))
-#define VMAX(a, b) ((a) > (b) ? (a) : (b))
-#endif
 #define BLOCK 16 /* keys per block: the softmax total's partial sums, and the caps' multiple */
 #define GROUPS_AT_ONCE 8
 
