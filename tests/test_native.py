@@ -140,3 +140,30 @@ def test_the_build_is_cached_per_source_isa_and_compiler_and_a_missing_compiler_
     monkeypatch.setattr(native_module.shutil, "which", lambda name: None)
     with pytest.raises(RuntimeError, match="no C compiler found"):
         native_module._load()
+
+
+@pytest.mark.parametrize("capability", ["AVX2", "DEFAULT"])
+def test_a_lower_vector_isas_build_gives_the_same_bits(monkeypatch, tmp_path, capability):
+    """The elementwise kernels and the attention give the same bits built for AVX-512, AVX2 or plain C (the vector
+    loops and their scalar tails compute the same operations): an int8 job's numbers do not follow the build."""
+    if capability == "AVX2" and KERNELS.capability not in ("AVX2", "AVX512"):
+        pytest.skip(f"this CPU's torch runs at {KERNELS.capability}: an AVX2 build cannot run here")
+    monkeypatch.setenv("SLIMROUTE_CACHE", str(tmp_path))
+    monkeypatch.setattr(native_module.torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    other = native_module._load()
+    generator = torch.Generator().manual_seed(5)
+    for rows, width in ((3, 37), (2, 896), (1, 4864)):
+        gate_up = torch.randn(rows, 2 * width, generator=generator) * 20
+        scale, x = torch.rand(rows, 1, generator=generator), torch.randn(rows, width, generator=generator) * 3
+        weight, delta = torch.randn(width, generator=generator), torch.randn(rows, width, generator=generator)
+        for act_max, shift in ((127, 128), (63, 0)):
+            pairs = [kernels.gated_to_ints(gate_up[:, :width], gate_up[:, width:], scale, act_max, shift)
+                     + kernels.add_norm_to_ints(x.clone(), weight, 1e-6, act_max, shift, (delta, scale, weight))
+                     for kernels in (KERNELS, other)]
+            assert all(torch.equal(a, b) for a, b in zip(*pairs, strict=True))
+    keys_t, values = _keys(3, 2, 64, 40, generator)
+    queries, starts = torch.randn(7, 14, 64, generator=generator), torch.tensor([0, 2, 3, 7])
+    counts = torch.tensor([1, 2, 40, 5, 9, 30, 33])
+    outs = [kernels.attention(queries, starts, 2, 0.125, [None, (keys_t, values, counts)], 127, 128)
+            for kernels in (KERNELS, other)]
+    assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
