@@ -76,14 +76,17 @@ typedef float vec;
 #define VMAX(a, b) ((a) > (b) ? (a) : (b))
 #endif
 
-/* The largest of |x[j]| (NaNs never win; 0 for n = 0): exact in any order, so VL lanes side by side, then across. */
-static float abs_max_of(vec lanes, float top) {
+/* A max is exact in any order (NaNs never win): VL lanes side by side, then across them, from `top`. */
+static float lanes_max(vec lanes, float top) {
     float each[VL];
     VSTORE(each, lanes);
     for (int l = 0; l < VL; ++l) top = each[l] > top ? each[l] : top;
     return top;
 }
 
+static inline float max_abs(float top, float x) { return fabsf(x) > top ? fabsf(x) : top; }
+
+/* The largest of |x[j]| (0 for n = 0). */
 static float abs_max(const float *x, i64 n) {
     vec lanes = VZERO();
     i64 j = 0;
@@ -91,8 +94,8 @@ static float abs_max(const float *x, i64 n) {
     for (; j + VL <= n; j += VL) lanes = VMAX(VABS(VLOAD(x + j)), lanes);
 #endif
     float top = 0.0f;
-    for (; j < n; ++j) top = fabsf(x[j]) > top ? fabsf(x[j]) : top;
-    return abs_max_of(lanes, top);
+    for (; j < n; ++j) top = max_abs(top, x[j]);
+    return lanes_max(lanes, top);
 }
 
 /* ---------------------------------------------------------------------------------------------------------------
@@ -214,9 +217,9 @@ void sr_add_norm_quantize(i64 rows, i64 n, float *x, const float *delta, const f
             float tail = 0.0f;
             for (; j < n; ++j) {
                 dst[j] = weight[j] * (row[j] * inv);
-                tail = fabsf(dst[j]) > tail ? fabsf(dst[j]) : tail;
+                tail = max_abs(tail, dst[j]);
             }
-            if (normed) quantize_with(normed, n, abs_max_of(top, tail), act_max, shift, q, r * n, scales + r);
+            if (normed) quantize_with(normed, n, lanes_max(top, tail), act_max, shift, q, r * n, scales + r);
         }
         free(normed);
     }
@@ -302,9 +305,9 @@ void sr_gated_quantize(i64 rows, i64 n, const float *gate_up, i64 gate_stride, c
             for (; j < n; ++j) {
                 const float a = g[j] * s;
                 h[j] = (a / (1.0f + sr_exp(-a))) * (u[j] * s);
-                tail = fabsf(h[j]) > tail ? fabsf(h[j]) : tail;
+                tail = max_abs(tail, h[j]);
             }
-            quantize_with(h, n, abs_max_of(top, tail), act_max, shift, q, r * n, scales + r);
+            quantize_with(h, n, lanes_max(top, tail), act_max, shift, q, r * n, scales + r);
         }
         free(h);
     }
@@ -496,19 +499,17 @@ static void weighted_sums(const float *const *v, const i64 *count, const float *
     }
 }
 
-/* The softmax of one group's n scaled scores in place (e_k, the tail up to BLOCK zeroed) and its total. */
 static const float *run_values(const Run *run, i64 row, i64 kv_heads, i64 h, i64 d) {
     return run->values ? run->values + (row * kv_heads + h) * run->cap * d : NULL;
 }
 
+/* The softmax of one group's n scaled scores in place (e_k, the tail up to BLOCK zeroed) and its total. */
 static float softmax_terms(float *s, i64 n) {
     const i64 padded = (n + BLOCK - 1) / BLOCK * BLOCK;
     for (i64 k = n; k < padded; ++k) s[k] = -INFINITY;
     vec high = VSET1(-INFINITY); /* the max, lanes side by side (exact in any order) */
     for (i64 k = 0; k < padded; k += VL) high = VMAX(VLOAD(s + k), high);
-    float top = -INFINITY, highest[VL];
-    VSTORE(highest, high);
-    for (int l = 0; l < VL; ++l) top = highest[l] > top ? highest[l] : top;
+    const float top = lanes_max(high, -INFINITY);
     for (i64 k = 0; k < padded; ++k) s[k] = sr_exp(s[k] - top);
     for (i64 k = n; k < padded; ++k) s[k] = 0.0f;
     float partial[BLOCK];
