@@ -19,7 +19,7 @@ from slimroute.runtime.dtypes import int8_kernels_available
 from slimroute.runtime.fused import fuse
 from slimroute.runtime.int8 import Int8Linear, _onednn_problem, int8_failure
 from slimroute.runtime.native import native
-from slimroute.runtime.output_head import RowBlockedLinear
+from slimroute.runtime.output_head import Q8Head, compact_head
 from slimroute.runtime.quantize import quantize_model
 from slimroute.task import Task
 
@@ -487,8 +487,9 @@ def test_a_new_int8_cache_replaces_an_earlier_schemes_file(tmp_path):
 
 
 def test_a_q8_head_is_cached_compact_and_gives_the_references_bits(tmp_path):
-    """A tiny model whose output head holds Q8_0 values (as the packaged GGUF's does): the int8 model keeps it
-    compact, the cache file holds the compact form and a reload takes it from there, and the fast path still
+    """A tiny model whose output head holds Q8_0 values (as the packaged GGUF's does): the int8 model's head is a
+    Q8Head, the cache file holds the compact form in the checkpoint's order (the packing for the native kernel,
+    done in place, comes after the file is written) and a reload takes it from there, and the fast path still
     gives the reference's bits."""
     texts = [make_text(random.Random(i), n) for i, n in enumerate((1, 5, 30, 90))]
     task = Task(MULTI)
@@ -498,17 +499,18 @@ def test_a_q8_head_is_cached_compact_and_gives_the_references_bits(tmp_path):
         model, tok = tiny_model("qwen2")
         with torch.no_grad():
             model.lm_head.weight = nn.Parameter(q8_0(model.lm_head.weight.data.clone()), requires_grad=False)
+        expected = compact_head(model.lm_head.weight.data.clone())
         if models:
             model.lm_head.weight.data.zero_()  # proves the reload's head comes from the cache file
         quantize_model(model, cache_file, tok)
         set_attention(model)
         head = model.get_output_embeddings()
-        assert isinstance(head, RowBlockedLinear) and head.compact is not None and head.weight is None
+        assert isinstance(head, Q8Head) and (head.kernels is not None) == NATIVE
         models.append(model)
     from safetensors import safe_open
 
     with safe_open(str(cache_file), "pt") as stored:
-        assert {"head.q8", "head.q8_scale"} <= set(stored.keys())
+        assert all(torch.equal(stored.get_tensor(key), expected[key]) for key in ("head.q8", "head.q8_scale"))
     ref = ReferenceClassifier(models[0], tok, task).classify(texts)
     for model in models:
         for batch_size in (1, 3):

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 import slimroute.runtime.native as native_module
 from slimroute.runtime.native import KEY_BLOCK, Tokens, native, probe
+from slimroute.runtime.output_head import pack_q8
 
 pytestmark = [pytest.mark.kernels, pytest.mark.skipif(native() is None, reason="slimroute's native kernels do not "
                                                       "build here (see the note logged by slimroute.runtime.native)")]
@@ -142,12 +143,18 @@ def test_the_build_is_cached_per_source_isa_and_compiler_and_a_missing_compiler_
         native_module._load()
 
 
-@pytest.mark.parametrize("capability", ["AVX2", "DEFAULT"])
+@pytest.mark.parametrize("capability", ["AVX512-no-VNNI", "AVX2", "DEFAULT"])
 def test_a_lower_vector_isas_build_gives_the_same_bits(monkeypatch, tmp_path, capability):
-    """The elementwise kernels and the attention give the same bits built for AVX-512, AVX2 or plain C (the vector
-    loops and their scalar tails compute the same operations): an int8 job's numbers do not follow the build."""
+    """The elementwise kernels, the attention and the Q8 output head give the same bits built for AVX-512 (with VNNI
+    or without), AVX2 or plain C (the vector loops and their scalar tails compute the same operations; integer dot
+    products are exact however they are taken): an int8 job's numbers do not follow the build."""
     if capability == "AVX2" and KERNELS.capability not in ("AVX2", "AVX512"):
         pytest.skip(f"this CPU's torch runs at {KERNELS.capability}: an AVX2 build cannot run here")
+    if capability == "AVX512-no-VNNI":
+        if KERNELS.capability != "AVX512":
+            pytest.skip(f"this CPU's torch runs at {KERNELS.capability}: an AVX-512 build cannot run here")
+        capability = "AVX512"
+        monkeypatch.setattr(native_module, "real_flags", lambda: frozenset({"avx512f", "avx512bw"}))
     monkeypatch.setenv("SLIMROUTE_CACHE", str(tmp_path))
     monkeypatch.setattr(native_module.torch.backends.cpu, "get_cpu_capability", lambda: capability)
     other = native_module._load()
@@ -167,3 +174,7 @@ def test_a_lower_vector_isas_build_gives_the_same_bits(monkeypatch, tmp_path, ca
     outs = [kernels.attention(queries, starts, 2, 0.125, [None, (keys_t, values, counts)], 127, 128)
             for kernels in (KERNELS, other)]
     assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
+    weight = torch.randint(-127, 128, (48, 896), dtype=torch.int8, generator=generator)
+    packed = pack_q8(weight, torch.rand(48, 28, generator=generator) * 0.01)
+    x = torch.randn(11, 896, generator=generator) * 4
+    assert torch.equal(KERNELS.q8_head(x, *packed), other.q8_head(x, *packed))

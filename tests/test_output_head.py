@@ -5,7 +5,16 @@ import torch
 from torch import nn
 
 from slimroute.runtime.linear import onednn_failure
-from slimroute.runtime.output_head import HEAD_CHUNK, RowBlockedLinear, compact_head, expand_head
+from slimroute.runtime.native import native
+from slimroute.runtime.output_head import (
+    HEAD_CHUNK,
+    Q8_LANES,
+    Q8Head,
+    RowBlockedLinear,
+    compact_head,
+    expand_head,
+    q8_logits,
+)
 
 pytestmark = pytest.mark.kernels  # rerun under each CPU kind: tests/cpu_kinds.py
 
@@ -70,3 +79,43 @@ def test_compact_head_gives_the_fp32_heads_logits_and_row_invariance(onednn):
     assert torch.allclose(whole, torch.nn.functional.linear(x, linear.weight), atol=1e-5)
     for start, stop in ((0, 1), (5, 6), (3, 20), (36, 37)):
         assert torch.equal(head(x[start:stop]), whole[start:stop])
+
+
+def _q8_head_case(rows: int, vocab: int, width: int, seed: int):
+    """A Q8_0 head's compact form and rows to score: outliers, an all-zero block of x and of w, a lone large value."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = q8_0(torch.randn(vocab, width, generator=gen) * 0.05)
+    weight[3, :32] = 0
+    x = torch.randn(rows, width, generator=gen) * 3
+    x[0, 5] = 90.0  # an outlier, as after the final norm
+    x[-1, :32] = 0
+    return compact_head(weight), weight, x
+
+
+def test_q8_head_rows_are_their_own_and_near_the_fp32_heads():
+    """Q8Head in torch ops (where the native kernels do not run): a row's logits do not depend on the rows beside
+    it, and they stay within 1e-3 of the fp32 GEMM on the same weights (int16 activations per block of 32)."""
+    compact, weight, x = _q8_head_case(9, HEAD_CHUNK + 37, 96, 1)
+    head = Q8Head({key: value.clone() for key, value in compact.items()})
+    whole = head(x)
+    assert whole.shape == (9, HEAD_CHUNK + 37)
+    assert (whole - x @ weight.T).abs().max() < 1e-3
+    for start, stop in ((0, 1), (4, 5), (2, 9)):
+        assert torch.equal(head(x[start:stop]), whole[start:stop])
+
+
+@pytest.mark.skipif(native() is None, reason="slimroute's native kernels do not build here (see the note logged by "
+                                              "slimroute.runtime.native)")
+@pytest.mark.parametrize("vocab", [160, 4133], ids=["whole-tiles", "a-part-tile"])
+def test_q8_head_native_kernel_gives_the_torch_ops_bits(vocab):
+    """The native kernel (packed weights, 16 vocabulary rows a tile, VNNI's or vpmaddwd's integer dot products) gives
+    q8_logits's bits, for any number of rows (the kernel's row groups and their remainders) and a vocabulary that
+    does not fill its last tile; packing reorders the head in place where it does."""
+    compact, _, x = _q8_head_case(13, vocab, 896, 2)
+    expected = q8_logits(x, compact["head.q8"], compact["head.q8_scale"])
+    own = {key: value.clone() for key, value in compact.items()}
+    head = Q8Head(own, kernels=native())
+    assert torch.equal(head(x), expected)
+    for rows in (1, 2, 3, 7, 8, 9):
+        assert torch.equal(head(x[:rows]), expected[:rows])
+    assert (head.packed.data_ptr() == own["head.q8"].data_ptr()) == (vocab % Q8_LANES == 0)

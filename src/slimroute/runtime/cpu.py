@@ -139,6 +139,14 @@ def detect() -> CpuFeatures:
     return CpuFeatures(model, flags, capability, platform.machine())
 
 
+def real_flags() -> frozenset[str]:
+    """The flags of the CPU this runs on, less those ONEDNN_MAX_CPU_ISA holds oneDNN below: what code may be built
+    for (never the flags SLIMROUTE_CPU_FLAGS simulates, which this CPU may lack)."""
+    flags = _proc_cpuinfo()[1]
+    cap = onednn_cap()
+    return flags - (ONEDNN_GATED - ONEDNN_CAPS[cap]) if cap is not None else flags
+
+
 def onednn_cap() -> str | None:
     """The ONEDNN_MAX_CPU_ISA value in effect, upper-cased, where it is one ONEDNN_CAPS knows (else None)."""
     value = next((os.environ[name] for name in ONEDNN_ISA_ENV if os.environ.get(name)), "").strip().upper()

@@ -581,3 +581,148 @@ void sr_attention(i64 rows, const i64 *row_start, i64 heads, i64 kv_heads, i64 d
         free(totals);
     }
 }
+
+/* ---------------------------------------------------------------------------------------------------------------
+   The output head of a Q8_0 checkpoint (output_head.Q8Head): logits = x @ W^T with W's blocks of 32 int8 values q
+   times one scale w_b each. x's blocks of 32 become int16 too (scale x_b = max |x| / 32767, 1 where that is not > 0;
+   x16 = round-half-even(x / x_b)), each block's dot product is an exact integer I_b (|I_b| < 2^27: any order, any
+   ISA gives it), and logit = sum over the blocks b, in order from 0, of (float)I_b * (w_b * x_b), one rounding per
+   operation. Vocabulary rows come in tiles of HEAD_LANES, the weights packed [tile][pair of columns][lane][2] (the
+   int16 pairs a dot-product instruction takes: vpdpwssd / vpmaddwd) and the scales [tile][block][lane]. */
+#define HEAD_LANES 16
+#define HEAD_QBLOCK 32
+#define HEAD_PAIRS (HEAD_QBLOCK / 2)
+#define HEAD_HV (HEAD_LANES / VL) /* vectors per tile */
+
+static inline int32_t pair_of(const int16_t *p) { /* two int16 side by side, as one int32 to broadcast */
+    int32_t v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+#if VL == 16 && defined(__AVX512BW__)
+typedef __m512i ivec;
+#define IZERO() _mm512_setzero_si512()
+#define IW_LOAD(p) _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(p))) /* 2 * VL int8 -> int16 */
+#define IPAIR(p) _mm512_set1_epi32(pair_of(p))
+#define ITOF(a) _mm512_cvtepi32_ps(a)
+#if defined(__AVX512VNNI__)
+#define IDOT(acc, w, x) _mm512_dpwssd_epi32(acc, w, x)
+#else
+#define IDOT(acc, w, x) _mm512_add_epi32(acc, _mm512_madd_epi16(w, x))
+#endif
+#define HEAD_ROWS 8
+#elif VL == 8
+typedef __m256i ivec;
+#define IZERO() _mm256_setzero_si256()
+#define IW_LOAD(p) _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p)))
+#define IPAIR(p) _mm256_set1_epi32(pair_of(p))
+#define ITOF(a) _mm256_cvtepi32_ps(a)
+#define IDOT(acc, w, x) _mm256_add_epi32(acc, _mm256_madd_epi16(w, x))
+#define HEAD_ROWS 3
+#elif VL == 1 /* plain C, one lane per vector: a pair of columns at a time, as the instructions do */
+#undef HEAD_HV
+#define HEAD_HV HEAD_LANES
+typedef int32_t ivec;
+#define IZERO() 0
+#define IW_LOAD(p) (p)
+#define IPAIR(p) (p)
+#define ITOF(a) ((float)(a))
+#define IDOT(acc, w, x) ((acc) + (int32_t)(w)[0] * (x)[0] + (int32_t)(w)[1] * (x)[1])
+#define HEAD_ROWS 4
+#else
+#error "an AVX-512 build needs AVX512BW (runtime/native.py's flags)"
+#endif
+
+/* x's row as int16 blocks and their scales. */
+static void head_quantize(const float *x, i64 k, int16_t *x16, float *scales) {
+    for (i64 b = 0; b < k / HEAD_QBLOCK; ++b) {
+        const float *xb = x + b * HEAD_QBLOCK;
+        float s = abs_max(xb, HEAD_QBLOCK) / 32767.0f;
+        s = s > 0.0f ? s : 1.0f;
+        scales[b] = s;
+        for (i64 j = 0; j < HEAD_QBLOCK; ++j) x16[b * HEAD_QBLOCK + j] = (int16_t)rintf(xb[j] / s);
+    }
+}
+
+/* R rows (x16, x_scales: k / 32 each) by one tile of vocabulary rows (w, w_scales packed as above) into out. */
+#define HEAD_TILE(R)                                                                                               \
+    static void head_tile_##R(i64 k, const int8_t *w, const float *ws, const int16_t *x16, const float *xs,       \
+                              float *out, i64 out_stride) {                                                        \
+        const i64 blocks = k / HEAD_QBLOCK;                                                                        \
+        vec f[R][HEAD_HV];                                                                                         \
+        for (int r = 0; r < R; ++r)                                                                                \
+            for (int h = 0; h < HEAD_HV; ++h) f[r][h] = VZERO();                                                   \
+        for (i64 b = 0; b < blocks; ++b) {                                                                         \
+            ivec acc[R][HEAD_HV];                                                                                  \
+            for (int r = 0; r < R; ++r)                                                                            \
+                for (int h = 0; h < HEAD_HV; ++h) acc[r][h] = IZERO();                                             \
+            for (int p = 0; p < HEAD_PAIRS; ++p) {                                                                 \
+                const int8_t *wp = w + (b * HEAD_PAIRS + p) * HEAD_LANES * 2;                                      \
+                for (int r = 0; r < R; ++r) {                                                                      \
+                    const int16_t *xp = x16 + r * k + b * HEAD_QBLOCK + 2 * p;                                     \
+                    for (int h = 0; h < HEAD_HV; ++h)                                                              \
+                        acc[r][h] = IDOT(acc[r][h], IW_LOAD(wp + h * 2 * (HEAD_LANES / HEAD_HV)), IPAIR(xp));      \
+                }                                                                                                  \
+            }                                                                                                      \
+            for (int h = 0; h < HEAD_HV; ++h) {                                                                    \
+                const vec scale = VLOAD(ws + b * HEAD_LANES + h * (HEAD_LANES / HEAD_HV));                         \
+                for (int r = 0; r < R; ++r)                                                                        \
+                    f[r][h] = VADD(f[r][h], VMUL(ITOF(acc[r][h]), VMUL(scale, VSET1(xs[r * blocks + b]))));        \
+            }                                                                                                      \
+        }                                                                                                          \
+        for (int r = 0; r < R; ++r)                                                                                \
+            for (int h = 0; h < HEAD_HV; ++h) VSTORE(out + r * out_stride + h * (HEAD_LANES / HEAD_HV), f[r][h]); \
+    }
+HEAD_TILE(1)
+HEAD_TILE(2)
+HEAD_TILE(3)
+#if HEAD_ROWS >= 4
+HEAD_TILE(4)
+#endif
+#if HEAD_ROWS >= 8
+HEAD_TILE(5)
+HEAD_TILE(6)
+HEAD_TILE(7)
+HEAD_TILE(8)
+#endif
+
+static void head_tile(int rows, i64 k, const int8_t *w, const float *ws, const int16_t *x16, const float *xs,
+                      float *out, i64 out_stride) {
+    switch (rows) {
+    case 1: head_tile_1(k, w, ws, x16, xs, out, out_stride); break;
+    case 2: head_tile_2(k, w, ws, x16, xs, out, out_stride); break;
+    case 3: head_tile_3(k, w, ws, x16, xs, out, out_stride); break;
+#if HEAD_ROWS >= 4
+    case 4: head_tile_4(k, w, ws, x16, xs, out, out_stride); break;
+#endif
+#if HEAD_ROWS >= 8
+    case 5: head_tile_5(k, w, ws, x16, xs, out, out_stride); break;
+    case 6: head_tile_6(k, w, ws, x16, xs, out, out_stride); break;
+    case 7: head_tile_7(k, w, ws, x16, xs, out, out_stride); break;
+    case 8: head_tile_8(k, w, ws, x16, xs, out, out_stride); break;
+#endif
+    }
+}
+
+/* out (rows, tiles * HEAD_LANES) = the logits of x (rows, k) for packed weights of `tiles` tiles; k a multiple of 32. */
+void sr_q8_head(i64 rows, i64 k, const float *x, i64 tiles, const int8_t *w, const float *w_scales, float *out,
+                int threads) {
+    const i64 blocks = k / HEAD_QBLOCK, width = tiles * HEAD_LANES;
+    int16_t *x16 = (int16_t *)malloc(sizeof(int16_t) * (rows * k + 2));
+    float *xs = (float *)malloc(sizeof(float) * (rows * blocks + 1));
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (i64 r = 0; r < rows; ++r) head_quantize(x + r * k, k, x16 + r * k, xs + r * blocks);
+#pragma omp for schedule(static)
+        for (i64 t = 0; t < tiles; ++t)
+            for (i64 r0 = 0; r0 < rows; r0 += HEAD_ROWS) {
+                const int n = rows - r0 < HEAD_ROWS ? (int)(rows - r0) : HEAD_ROWS;
+                head_tile(n, k, w + t * k * HEAD_LANES, w_scales + t * blocks * HEAD_LANES, x16 + r0 * k,
+                          xs + r0 * blocks, out + r0 * width + t * HEAD_LANES, width);
+            }
+    }
+    free(x16);
+    free(xs);
+}

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from slimroute.runtime.cpu import real_flags
 from slimroute.runtime.paths import cache_dir
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ ISA_FLAGS = {
     "AVX2": ("-mavx2", "-mfma", "-DSR_LANES=8"),
 }
 PLAIN = ("-DSR_LANES=8",)
+VNNI = ("-mavx512vnni",)  # added to an AVX-512 build on a CPU with AVX-512 VNNI (the output head's dot products)
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-std=c11")
 
 KEY_BLOCK = 16  # kernels.c reads keys 16 at a time: every key buffer's capacity is a multiple of this
@@ -55,6 +57,7 @@ SIGNATURES = {
                       _int],
     "sr_attention": [_i64, _ptr, _i64, _i64, _i64, _ptr, _f32, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr,
                      _ptr, _ptr, _i64, _ptr, _ptr, _f32, _int, _ptr, _ptr, _int],
+    "sr_q8_head": [_i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _int],
 }
 
 
@@ -84,6 +87,8 @@ def _f32_rows(x: torch.Tensor, name: str) -> torch.Tensor:
 
 class Native:
     """The loaded library, its kernels as methods on tensors (shapes in each docstring; rows are the leading dims)."""
+
+    native = True  # (int8.Eager, the torch ops that stand in where this does not build: False)
 
     def __init__(self, library: ctypes.CDLL, path: Path, capability: str):
         self.library, self.path, self.capability = library, path, capability
@@ -202,6 +207,22 @@ class Native:
             out.data_ptr(), act_max, shift, _ptr_of(q), _ptr_of(scales), torch.get_num_threads())
         return (q, scales) if act_max else out
 
+    @_traced
+    def q8_head(self, x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """x (M, K) fp32 rows -> their logits (M, tiles * 16) against an output head packed by output_head.pack_q8:
+        weights (tiles, K / 2, 16, 2) int8, scales (tiles, K / 32, 16) fp32 (kernels.c sr_q8_head)."""
+        rows, width = _f32_rows(x, "x").shape
+        tiles = weights.shape[0]
+        if weights.dtype != torch.int8 or not weights.is_contiguous() or weights.numel() != tiles * width * 16:
+            raise ValueError(f"weights must be ({tiles}, {width // 2}, 16, 2) contiguous int8, got {weights.dtype} "
+                             f"{tuple(weights.shape)}")
+        if _f32_rows(scales, "scales").numel() != tiles * (width // 32) * 16 or width % 32:
+            raise ValueError(f"scales must be ({tiles}, {width // 32}, 16) for {width}-wide rows (a multiple of 32)")
+        out = torch.empty(rows, tiles * 16)
+        self.library.sr_q8_head(rows, width, x.data_ptr(), tiles, weights.data_ptr(), scales.data_ptr(),
+                                out.data_ptr(), torch.get_num_threads())
+        return out
+
 
 @dataclass(frozen=True)
 class Tokens:
@@ -253,7 +274,8 @@ def _compiler() -> str:
 
 def _load() -> Native:
     capability = torch.backends.cpu.get_cpu_capability()
-    isa = ISA_FLAGS.get(capability, PLAIN)
+    vnni = capability == "AVX512" and "avx512_vnni" in real_flags()
+    isa = ISA_FLAGS.get(capability, PLAIN) + (VNNI if vnni else ())
     compiler = _compiler()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS + isa), version]).encode()).hexdigest()[:16]

@@ -2,7 +2,8 @@
 
 `quantize_model` swaps every linear layer of the decoder for an Int8Linear, the layers that read one input (q/k/v_proj,
 gate/up_proj) for slices of one GEMM over their stacked weights (Int8Slice), a gated SiLU MLP for an Int8GatedMLP,
-and the output head for a RowBlockedLinear on its lossless compact form (output_head.py). Where slimroute's native
+and the output head for a Q8Head (a Q8_0 head's integer dot products) or a RowBlockedLinear on its lossless compact
+form (output_head.py). Where slimroute's native
 kernels run, the model also gets its decoder as a few of them per layer (fused.FusedDecoder), which the engine runs
 and the reference does not. Activation outliers are first smoothed into the
 weights (smoothing.py). The int8 weights, the norms and biases smoothing changed and the compact head are written to
@@ -35,7 +36,7 @@ from slimroute.runtime.int8 import (
 )
 from slimroute.runtime.linear import onednn_failure
 from slimroute.runtime.memory import FileMappedMemory, return_freed_memory
-from slimroute.runtime.output_head import RowBlockedLinear, compact_head
+from slimroute.runtime.output_head import Q8Head, RowBlockedLinear, compact_head
 from slimroute.runtime.paths import cache_dir, sha256_files
 from slimroute.runtime.smoothing import smoothed_weight, smoothing_factors
 
@@ -82,8 +83,9 @@ def quantize_model(model: nn.Module, cache_file: Path | None = None, tokenizer=N
         gate, up = mlp.gate_proj, mlp.up_proj
         if isinstance(gate, Int8Slice) and gate.start == 0 and isinstance(up, Int8Slice) and up.shared is gate.shared:
             _replace(model, name, Int8GatedMLP(mlp.gate_proj.stacked, mlp.down_proj, fused))
-    _swap_head(model, head, weights, checkpoint)
-    weights.save()
+    compact = _compact_head(head, weights, checkpoint)
+    weights.save()  # before _swap_head: a Q8Head reorders the compact head's int8 values in place
+    _swap_head(model, head, compact, fused)
     _warn_about_experts(model)
     return_freed_memory()  # the quantisation's and packing's temporaries
 
@@ -205,24 +207,34 @@ def _set_smoothed_params(model: nn.Module, params: dict[str, torch.Tensor], targ
             setattr(model.get_submodule(parent), leaf, nn.Parameter(value, requires_grad=False))
 
 
-def _swap_head(model: nn.Module, head: nn.Linear, weights: Int8Weights, checkpoint: FileMappedMemory) -> None:
-    """The output head becomes a RowBlockedLinear on its compact form: the stored one (none in the file: it has
-    none), else made now and added to what gets cached. The fp32 weight's file pages are handed back (a tied
-    embedding reads the few rows it needs from the file again)."""
-    onednn = head.weight.device.type == "cpu" and onednn_failure(head.weight.dtype) is None
-    compact = None
-    if head.weight.device.type == "cpu":
-        if weights.head is not None:
-            compact = weights.head or None
-        else:
-            compact = compact_head(head.weight.data, checkpoint.release)
-            if compact and weights.path is not None:
-                weights.made.update({key: value.contiguous() for key, value in compact.items()})
-        if compact:
-            checkpoint.release(head.weight)
+def _compact_head(head: nn.Linear, weights: Int8Weights, checkpoint: FileMappedMemory) -> dict | None:
+    """The output head's compact form (compact_head): the stored one (none in the file: it has none), else made now
+    and added to what gets cached; None where it has none or is not on the CPU. The fp32 weight's file pages are
+    then handed back (a tied embedding reads the few rows it needs from the file again)."""
+    if head.weight.device.type != "cpu":
+        return None
+    if weights.head is not None:
+        compact = weights.head or None
+    else:
+        compact = compact_head(head.weight.data, checkpoint.release)
+        if compact and weights.path is not None:
+            weights.made.update({key: value.contiguous() for key, value in compact.items()})
+    if compact:
+        checkpoint.release(head.weight)
+    return compact
+
+
+def _swap_head(model: nn.Module, head: nn.Linear, compact: dict | None, fused) -> None:
+    """The output head becomes a Q8Head on a Q8_0 head's compact form (integer dot products, on the native kernels
+    where they run), else a RowBlockedLinear (on the compact form where there is one)."""
+    if compact and "head.q8" in compact:
+        replacement = Q8Head(compact, head.bias, fused if fused.native else None)
+    else:
+        onednn = head.weight.device.type == "cpu" and onednn_failure(head.weight.dtype) is None
+        replacement = RowBlockedLinear(head, onednn, compact)
     for name, module in model.named_modules():
         if module is head:
-            _replace(model, name, RowBlockedLinear(head, onednn, compact))
+            _replace(model, name, replacement)
 
 
 def _warn_about_experts(model: nn.Module) -> None:
