@@ -43,8 +43,7 @@ typedef __m512 vec;
 #define VMIN(a, b) _mm512_min_ps(a, b)
 #define VABS(a) _mm512_abs_ps(a)
 #define VROUND(a) _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-#define VPOW2(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), \
-                                                                        _mm512_set1_epi32(127)), 23))
+#define VSCALE(p, n) _mm512_scalef_ps(p, n) /* p * 2^n for an integral n: the same rounding as a multiply */
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define VL 8
@@ -61,8 +60,8 @@ typedef __m256 vec;
 #define VMIN(a, b) _mm256_min_ps(a, b)
 #define VABS(a) _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a)
 #define VROUND(a) _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-#define VPOW2(n) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), \
-                                                                        _mm256_set1_epi32(127)), 23))
+#define VSCALE(p, n) _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32( \
+                                                  _mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23)))
 #else
 #define VL 1
 typedef float vec;
@@ -273,7 +272,7 @@ static inline vec sr_vexp(vec x) {
     p = VFMA(p, r, VSET1(1.6666665459e-1f));
     p = VFMA(p, r, VSET1(5.0000001201e-1f));
     p = VADD(VFMA(p, VMUL(r, r), r), VSET1(1.0f));
-    return VMUL(p, VPOW2(n));
+    return VSCALE(p, n);
 }
 #endif
 
