@@ -10,9 +10,10 @@ so its accumulation is exact on every x86 CPU. oneDNN's (taken on VNNI CPUs only
 directly) 8 (act_max 127), twice the resolution (docs/dtypes.md). pick_kernel's probe checks the 8-bit products are
 exact.
 
-Embeddings, norms, attention (attention.py), the residual stream and the output head / label scorer stay fp32; the
-output head runs rows in fixed-size blocks on a lossless compact weight (output_head.py) so its rows do not depend
-on the batch either. Before quantising, activation outliers are moved into the weights (smoothing.py), folded into
+Embeddings, norms, attention (attention.py), the residual stream and the label scorer stay fp32; the output head
+holds a lossless compact weight (output_head.py): a Q8_0 head runs integer dot products on it (int16 activations
+per block of 32: Q8Head), any other head fp32 GEMMs in fixed-size row blocks, and either way its rows do not depend
+on the batch. Before quantising, activation outliers are moved into the weights (smoothing.py), folded into
 the layers in front.
 
 Two kernels give the exact integer products (integers add exactly in any order; the scales multiply each output

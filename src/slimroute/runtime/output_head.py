@@ -6,10 +6,10 @@ output.weight is int8 blocks of 32 times one fp16 scale each, so 0.15 GB instead
 
 Q8Head, for a Q8_0 head: integer dot products per block, the activations int16 per block of 32, and the blocks'
 exact sums scaled and added in one fixed order (the native kernel, or the same bits in torch ops where it does not
-run): two to three times the fp32 GEMM's rate on VNNI CPUs, and a lone row costs one row. Every other head: RowBlockedLinear
-runs fp32 GEMMs on rows in fixed-size blocks (HEAD_BLOCK rows, zero-padded) so that an output row does not depend on
-how many rows share the call, turning a compact weight back into fp32 one slice of HEAD_CHUNK vocabulary rows at a
-time (expand_head: the same values to the bit, so the same GEMMs).
+run): two to three times the fp32 GEMM's rate on VNNI CPUs, and a lone row costs one row. Every other head:
+RowBlockedLinear runs fp32 GEMMs on rows in fixed-size blocks (HEAD_BLOCK rows, zero-padded) so that an output row
+does not depend on how many rows share the call, turning a compact weight back into fp32 one slice of HEAD_CHUNK
+vocabulary rows at a time (expand_head: the same values to the bit, so the same GEMMs).
 """
 
 from __future__ import annotations
