@@ -39,6 +39,8 @@ needs_onednn_int8 = pytest.mark.skipif(bool(ONEDNN_INT8), reason=f"oneDNN's int8
 
 
 NATIVE = native() is not None
+needs_native = pytest.mark.skipif(not NATIVE, reason="slimroute's native kernels do not build here (see the note "
+                                  "logged by slimroute.runtime.native)")
 
 
 def int8_model(arch: str, kernel: str = "fbgemm", native: bool | None = None, fused: bool = True):
@@ -486,7 +488,8 @@ def test_a_new_int8_cache_replaces_an_earlier_schemes_file(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"int8-{SCHEME}.safetensors", "model.safetensors"])
 
 
-def test_a_q8_head_is_cached_compact_and_gives_the_references_bits(tmp_path):
+@pytest.mark.parametrize("native_kernels", [pytest.param(None, marks=needs_native), False], ids=["native", "eager"])
+def test_a_q8_head_is_cached_compact_and_gives_the_references_bits(tmp_path, native_kernels):
     """A tiny model whose output head holds Q8_0 values (as the packaged GGUF's does): the int8 model's head is a
     Q8Head, the cache file holds the compact form in the checkpoint's order (the packing for the native kernel,
     done in place, comes after the file is written) and a reload takes it from there, and the fast path still
@@ -502,10 +505,10 @@ def test_a_q8_head_is_cached_compact_and_gives_the_references_bits(tmp_path):
         expected = compact_head(model.lm_head.weight.data.clone())
         if models:
             model.lm_head.weight.data.zero_()  # proves the reload's head comes from the cache file
-        quantize_model(model, cache_file, tok)
+        quantize_model(model, cache_file, tok, native=native_kernels)
         set_attention(model)
         head = model.get_output_embeddings()
-        assert isinstance(head, Q8Head) and (head.kernels is not None) == NATIVE
+        assert isinstance(head, Q8Head) and (head.kernels is not None) == (native_kernels is None)
         models.append(model)
     from safetensors import safe_open
 
@@ -581,9 +584,6 @@ def test_a_quantizer_feeds_only_its_own_kernel():
     with pytest.raises(ValueError, match="cannot feed the fbgemm kernel"):
         Int8Linear.from_linear(nn.Linear(64, 8), RowQuantizer(kernel="onednn"), kernel="fbgemm")
 
-
-needs_native = pytest.mark.skipif(not NATIVE, reason="slimroute's native kernels do not build here (see the note "
-                                  "logged by slimroute.runtime.native)")
 
 
 @needs_native
