@@ -585,7 +585,6 @@ def test_a_quantizer_feeds_only_its_own_kernel():
         Int8Linear.from_linear(nn.Linear(64, 8), RowQuantizer(kernel="onednn"), kernel="fbgemm")
 
 
-
 @needs_native
 def test_native_elementwise_gives_each_row_the_bits_it_gets_alone():
     """The native quantiser and MLP middle: a row's integers and scale do not depend on the rows around it (odd
