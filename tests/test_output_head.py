@@ -82,7 +82,7 @@ def test_compact_head_gives_the_fp32_heads_logits_and_row_invariance(onednn):
 
 
 def _q8_head_case(rows: int, vocab: int, width: int, seed: int):
-    """A Q8_0 head's compact form and rows to score: outliers, an all-zero block of x and of w, a lone large value."""
+    """A Q8_0 head's compact form and rows to score: an outlier, an all-zero block of x and one of w."""
     gen = torch.Generator().manual_seed(seed)
     weight = q8_0(torch.randn(vocab, width, generator=gen) * 0.05)
     weight[3, :32] = 0

@@ -3,12 +3,11 @@
 `quantize_model` swaps every linear layer of the decoder for an Int8Linear, the layers that read one input (q/k/v_proj,
 gate/up_proj) for slices of one GEMM over their stacked weights (Int8Slice), a gated SiLU MLP for an Int8GatedMLP,
 and the output head for a Q8Head (a Q8_0 head's integer dot products) or a RowBlockedLinear on its lossless compact
-form (output_head.py). Where slimroute's native
-kernels run, the model also gets its decoder as a few of them per layer (fused.FusedDecoder), which the engine runs
-and the reference does not. Activation outliers are first smoothed into the
-weights (smoothing.py). The int8 weights, the norms and biases smoothing changed and the compact head are written to
-one file next to the checkpoint (int8_cache_file); a later load reads only that file and never touches the fp32 linear
-weights' pages.
+form (output_head.py). Where slimroute's native kernels run, the model also gets its decoder as a few of them per
+layer (fused.FusedDecoder), which the engine runs and the reference does not. Activation outliers are first smoothed
+into the weights (smoothing.py). The int8 weights, the norms and biases smoothing changed and the compact head (in the
+checkpoint's order) are written to one file next to the checkpoint (int8_cache_file); a later load reads only that
+file and never touches the fp32 linear weights' pages.
 """
 
 from __future__ import annotations
