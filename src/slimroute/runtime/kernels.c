@@ -156,10 +156,14 @@ static float sum_of_squares(const float *x, i64 n) {
 /* ---------------------------------------------------------------------------------------------------------------
    Row quantisation (int8.py's _to_ints): scale = max |x| / act_max (1 where that is not > 0), q = round-half-even(x /
    scale); written as floats (fbgemm adds its zero point itself) or as uint8 q + shift (oneDNN). */
+static inline float scale_for(float top, float act_max) { /* top / act_max, 1 where that is not > 0 */
+    const float s = top / act_max;
+    return s > 0.0f ? s : 1.0f;
+}
+
 static void quantize_with(const float *x, i64 n, float top, float act_max, int shift, void *q, i64 q_offset,
                           float *scale) {
-    float s = top / act_max;
-    s = s > 0.0f ? s : 1.0f;
+    const float s = scale_for(top, act_max);
     *scale = s;
     if (shift) {
         uint8_t *out = (uint8_t *)q + q_offset;
@@ -637,8 +641,7 @@ typedef int32_t ivec;
 static void head_quantize(const float *x, i64 k, int16_t *x16, float *scales) {
     for (i64 b = 0; b < k / HEAD_QBLOCK; ++b) {
         const float *xb = x + b * HEAD_QBLOCK;
-        float s = abs_max(xb, HEAD_QBLOCK) / 32767.0f;
-        s = s > 0.0f ? s : 1.0f;
+        const float s = scale_for(abs_max(xb, HEAD_QBLOCK), 32767.0f);
         scales[b] = s;
         for (i64 j = 0; j < HEAD_QBLOCK; ++j) x16[b * HEAD_QBLOCK + j] = (int16_t)rintf(xb[j] / s);
     }
@@ -708,8 +711,8 @@ static void head_tile(int rows, i64 k, const int8_t *w, const float *ws, const i
 void sr_q8_head(i64 rows, i64 k, const float *x, i64 tiles, const int8_t *w, const float *w_scales, float *out,
                 int threads) {
     const i64 blocks = k / HEAD_QBLOCK, width = tiles * HEAD_LANES;
-    int16_t *x16 = (int16_t *)malloc(sizeof(int16_t) * (rows * k + 2));
-    float *xs = (float *)malloc(sizeof(float) * (rows * blocks + 1));
+    int16_t *x16 = (int16_t *)malloc(sizeof(int16_t) * rows * k);
+    float *xs = (float *)malloc(sizeof(float) * rows * blocks);
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slimroute.runtime.int8 import _to_ints
 from slimroute.runtime.native import Native
 
 HEAD_BLOCK = 32  # rows per output-head GEMM call
@@ -180,10 +181,8 @@ def q8_logits(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Te
     of 32 products below 2^24, so any summation order gives the integer."""
     rows, width = x.shape
     blocks = width // Q8_BLOCK
-    xb = x.view(rows, blocks, Q8_BLOCK)
-    x_scale = xb.abs().amax(dim=2) / X_MAX  # (M, B)
-    x_scale = torch.where(x_scale > 0, x_scale, torch.ones_like(x_scale))
-    x16 = torch.round(xb / x_scale[:, :, None])  # (M, B, 32) integers in [-X_MAX, X_MAX]
+    q16, scales = _to_ints(x.reshape(rows * blocks, Q8_BLOCK), X_MAX, 0)  # each block as a row: int8.py's quantiser
+    x16, x_scale = q16.view(rows, blocks, Q8_BLOCK), scales.view(rows, blocks)  # integers in [-X_MAX, X_MAX]
     hi = torch.floor(x16 / 256)
     lo = x16 - 256 * hi
     parts = torch.cat([hi, lo], dim=0).transpose(0, 1)  # (B, 2M, 32)
